@@ -1,0 +1,401 @@
+"""Plain-PyTorch reference Kimi-K3-style causal LM.
+
+This file is deliberately written the way a user (or a model hub) writes a
+decoder: ordinary ``nn.Linear`` / ``nn.Embedding`` modules, an RMSNorm whose
+forward is spelled out op by op, and MLA attention that slices the fused
+``kv_a_proj_with_mqa`` output with ``split`` (so the latent ``kv_c`` handed to
+``kv_a_layernorm`` is a strided, non-contiguous view).  Nothing here knows
+about k3fusion.  The fusion passes must recognize *this* code after
+torch.compile traces it, so please keep it idiomatic rather than clever: if a
+change makes the graph easier to match but less like real user code, it
+defeats the purpose.
+
+``norm_style`` selects among the RMSNorm spellings found in the wild (HF
+transformers, vLLM ``forward_native``, fp32-weight, ``x * x``, and
+``F.rms_norm``); they compute the same function, and the passes have to match
+all of them.
+
+Planned extensions (the config switches exist already, the model refuses them
+until they land):
+
+* ``attn_res`` -- attention residuals: instead of the fixed
+  ``h = h + f(norm(h))`` accumulation, a layer's input becomes a learned,
+  softmax-weighted mix over earlier (block-summarized, ``attn_res_block_size``
+  layers per block) outputs.  It plugs into the residual adds in
+  ``KimiK3DecoderLayer.forward`` and the layer loop in ``KimiK3Model.forward``.
+* ``latent_moe`` -- a mixture of experts that runs in a down-projected latent
+  space.  It replaces ``KimiK3DecoderLayer.mlp`` (``KimiK3MLP``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "NORM_STYLES",
+    "KimiK3Config",
+    "KimiK3RMSNorm",
+    "KimiK3Attention",
+    "KimiK3MLP",
+    "KimiK3DecoderLayer",
+    "KimiK3Model",
+    "KimiK3ForCausalLM",
+    "count_mla_layers",
+]
+
+
+# --------------------------------------------------------------------------
+# RMSNorm spellings.  Each takes (x, weight, eps) and returns x's dtype.
+# They are kept as separate small functions (not one parametrized function)
+# because the *exact op sequence* is what differs between them, and that is
+# what the pattern matcher sees.
+# --------------------------------------------------------------------------
+
+
+def _rms_hf(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # HF transformers LlamaRMSNorm style: weight on the left, after downcast.
+    dt = x.dtype
+    x = x.to(torch.float32)
+    var = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(var + eps)
+    return weight * x.to(dt)
+
+
+def _rms_vllm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # vLLM RMSNorm.forward_native style: one upcast, weight on the right.
+    orig_dtype = x.dtype
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(dim=-1, keepdim=True)
+    x32 = x32 * torch.rsqrt(variance + eps)
+    return x32.to(orig_dtype) * weight
+
+
+def _rms_weight_fp32(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # Weight applied in fp32 before the single downcast (one rounding, not two).
+    dt = x.dtype
+    x32 = x.to(torch.float32)
+    var = x32.pow(2).mean(-1, keepdim=True)
+    return (x32 * torch.rsqrt(var + eps) * weight.float()).to(dt)
+
+
+def _rms_square(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # Same as "hf" but squares with a mul, which traces to a different op.
+    dt = x.dtype
+    x = x.to(torch.float32)
+    var = (x * x).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(var + eps)
+    return weight * x.to(dt)
+
+
+def _rms_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # The built-in op; dynamo sees a single aten.rms_norm (or its decomposition).
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+_NORM_FNS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
+    "hf": _rms_hf,
+    "vllm": _rms_vllm,
+    "weight_fp32": _rms_weight_fp32,
+    "square": _rms_square,
+    "torch": _rms_torch,
+}
+
+NORM_STYLES: tuple[str, ...] = tuple(_NORM_FNS)
+
+_ALLOWED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class KimiK3Config:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    norm_style: str = "hf"
+    dtype: torch.dtype = torch.bfloat16
+    # Not implemented yet; the model raises NotImplementedError if set.
+    attn_res: bool = False
+    latent_moe: bool = False
+    attn_res_block_size: int = 12
+
+    _POSITIVE_INT_FIELDS = (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "intermediate_size",
+        "attn_res_block_size",
+    )
+
+    def __post_init__(self) -> None:
+        for name in self._POSITIVE_INT_FIELDS:
+            value = getattr(self, name)
+            # bool is an int subclass; True is never a meaningful width.
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KimiK3Config.{name} must be a positive int, got {value!r}")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"KimiK3Config.rms_norm_eps must be a positive float, got {eps!r}")
+        if self.norm_style not in NORM_STYLES:
+            raise ValueError(
+                f"KimiK3Config.norm_style must be one of {NORM_STYLES}, got {self.norm_style!r}"
+            )
+        if self.dtype not in _ALLOWED_DTYPES:
+            raise ValueError(
+                f"KimiK3Config.dtype must be one of {_ALLOWED_DTYPES}, got {self.dtype!r}"
+            )
+        for name in ("attn_res", "latent_moe"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KimiK3Config.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def replace(self, **changes: object) -> KimiK3Config:
+        """Copy with some fields changed (re-validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def tiny(cls, **overrides: object) -> KimiK3Config:
+        """CPU-sized config.  q_lora_rank=48 is deliberately not a power of two
+        so kernels/passes can't silently assume one."""
+        fields = dict(
+            vocab_size=128,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            intermediate_size=96,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def k3(cls, **overrides: object) -> KimiK3Config:
+        """Real Kimi-K3 widths (far too large to instantiate on CPU)."""
+        fields = dict(
+            vocab_size=163840,
+            hidden_size=7168,
+            num_layers=61,
+            num_heads=64,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            intermediate_size=18432,
+            rms_norm_eps=1e-6,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _check_supported(config: KimiK3Config) -> None:
+    # The switches exist so configs/CLIs can already carry them, but silently
+    # building a plain model for them would give wrong numerics.
+    if config.attn_res:
+        raise NotImplementedError(
+            "KimiK3Config.attn_res=True (attention residuals) lands in a later release"
+        )
+    if config.latent_moe:
+        raise NotImplementedError(
+            "KimiK3Config.latent_moe=True (latent mixture of experts) lands in a later release"
+        )
+
+
+# --------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------
+
+
+class KimiK3RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, norm_style: str = "hf") -> None:
+        super().__init__()
+        if norm_style not in _NORM_FNS:
+            raise ValueError(f"norm_style must be one of {NORM_STYLES}, got {norm_style!r}")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+        self.norm_style = norm_style
+
+    @property
+    def eps(self) -> float:
+        return self.variance_epsilon
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _NORM_FNS[self.norm_style](x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, style={self.norm_style!r}"
+
+
+class KimiK3Attention(nn.Module):
+    """Multi-head latent attention (MLA), NoPE variant: no rotary embedding,
+    the single ``k_pe`` head is shared by all query heads."""
+
+    def __init__(self, config: KimiK3Config) -> None:
+        super().__init__()
+        c = config
+        self.num_heads = c.num_heads
+        self.kv_lora_rank = c.kv_lora_rank
+        self.qk_nope_head_dim = c.qk_nope_head_dim
+        self.qk_rope_head_dim = c.qk_rope_head_dim
+        self.qk_head_dim = c.qk_head_dim
+        self.v_head_dim = c.v_head_dim
+        self.scaling = 1.0 / math.sqrt(self.qk_head_dim)
+
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = KimiK3RMSNorm(c.q_lora_rank, c.rms_norm_eps, c.norm_style)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * self.qk_head_dim, bias=False)
+
+        self.kv_a_proj_with_mqa = nn.Linear(
+            c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False
+        )
+        self.kv_a_layernorm = KimiK3RMSNorm(c.kv_lora_rank, c.rms_norm_eps, c.norm_style)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=False)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        bsz, seq, _ = hidden_states.shape
+        h = self.num_heads
+
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(bsz, seq, h, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        # A RoPE model would rotate q_pe / k_pe here; K3 attention is NoPE, but
+        # we keep the split/cat layout users copy from DeepSeek-style MLA code.
+
+        kv = self.kv_a_proj_with_mqa(hidden_states)
+        # kv_c is a strided view (row stride kv_lora + rope); users do not call
+        # .contiguous() here, so the norm pattern must accept it as is.
+        kv_c, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_c))
+        kv = kv.view(bsz, seq, h, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+
+        k_pe = k_pe.view(bsz, seq, 1, self.qk_rope_head_dim).expand(-1, -1, h, -1)
+        query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
+        key = torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)
+        value = v.transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=self.scaling
+        )  # [B, heads, S, v_head_dim]
+        out = out.transpose(1, 2).reshape(bsz, seq, h * self.v_head_dim)
+        return self.o_proj(out)
+
+
+class KimiK3MLP(nn.Module):
+    def __init__(self, config: KimiK3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KimiK3DecoderLayer(nn.Module):
+    def __init__(self, config: KimiK3Config) -> None:
+        super().__init__()
+        _check_supported(config)
+        c = config
+        self.input_layernorm = KimiK3RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_style)
+        self.self_attn = KimiK3Attention(c)
+        self.post_attention_layernorm = KimiK3RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_style)
+        # latent_moe will replace this module.
+        self.mlp = KimiK3MLP(c)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        # Plain pre-norm residuals; attn_res will replace these two adds.
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states))
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states
+
+
+class KimiK3Model(nn.Module):
+    def __init__(self, config: KimiK3Config) -> None:
+        super().__init__()
+        _check_supported(config)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(KimiK3DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.norm(hidden_states)
+
+
+class KimiK3ForCausalLM(nn.Module):
+    def __init__(self, config: KimiK3Config, *, seed: int | None = None) -> None:
+        """Build and initialize the model in ``config.dtype``.
+
+        ``seed`` makes the init independent of the global RNG; without it the
+        global RNG is used (so ``torch.manual_seed`` beforehand also works).
+        """
+        super().__init__()
+        self.config = config
+        self.model = KimiK3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_weights(seed)
+        self.to(config.dtype)
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int | None) -> None:
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        # Initialize in fp32 (params are still fp32 on CPU here), then cast once.
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                w = module.weight
+                w.copy_(torch.randn(w.shape, generator=gen) * 0.02)
+            elif isinstance(module, KimiK3RMSNorm):
+                # Not ones, so a pass that drops or misplaces the weight shows up.
+                w = module.weight
+                w.copy_(1.0 + 0.1 * torch.randn(w.shape, generator=gen))
+
+    @property
+    def mla_layers(self) -> int:
+        return count_mla_layers(self)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids [B, S] (int64) -> logits [B, S, vocab_size] in config.dtype."""
+        return self.lm_head(self.model(input_ids))
+
+
+def count_mla_layers(model: nn.Module) -> int:
+    """Number of MLA attention modules (each owns one q/kv norm pair)."""
+    return sum(isinstance(m, KimiK3Attention) for m in model.modules())

@@ -1,0 +1,113 @@
+"""The post-grad pass that runs every k3fusion fusion, as an Inductor ``CustomGraphPass``.
+
+Order: recognize all RMSNorms once (``patterns.rms_norm``), then let each enabled fusion
+claim what it matches. Norms no fusion claims stay the aten ops they were.
+
+``uuid()`` hashes the pattern sources, the op registry, the config and the torch version,
+so Inductor's FX graph cache never serves a graph compiled under other rules.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph
+
+from .config import FusionConfig, get_config
+from .counters import record_matches
+
+__all__ = ["K3FusionPass", "ComposedPass", "compose_with"]
+
+log = logging.getLogger("k3fusion")
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest() -> str:
+    """Hash of every source file whose change changes what the pass does."""
+    import k3fusion
+    import k3fusion.patterns as patterns
+
+    files = sorted(Path(patterns.__file__).parent.glob("*.py"))
+    root = Path(k3fusion.__file__).parent
+    files += [root / name for name in ("pass_manager.py", "ops.py", "reference.py", "config.py")]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+class K3FusionPass(CustomGraphPass):
+    """Runs the k3fusion fusions on a post-grad FX graph (in place).
+
+    ``config=None`` uses :func:`k3fusion.get_config` at the time of each call.
+    """
+
+    def __init__(self, config: FusionConfig | None = None) -> None:
+        self._config = config
+
+    @property
+    def config(self) -> FusionConfig:
+        return self._config if self._config is not None else get_config()
+
+    def __call__(self, graph: Graph) -> None:
+        from k3fusion.patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm
+        from k3fusion.patterns.rms_norm import find_rms_norms
+
+        config = self.config
+        norms, rejected = find_rms_norms(graph)
+        counts: dict[str, int] = {}
+        left = [(m, "qkv_rmsnorm is disabled (K3FUSION_QKV_RMSNORM=0)") for m in norms]
+        if config.qkv_rmsnorm:
+            counts[QKV], left = fuse_qkv_rmsnorm(graph, norms)
+        for name, n in counts.items():
+            record_matches(name, n)
+        graph.lint()
+
+        log.info("k3fusion: %s; %d RMSNorms recognized, %d left unfused",
+                 ", ".join(f"{k} {v} matches" for k, v in counts.items()) or "no fusion enabled",
+                 len(norms), len(left))
+        if config.debug:
+            for norm, why in left:
+                log.info("k3fusion: RMSNorm %s (x=%s) not fused: %s", norm.out.name, norm.x.name, why)
+            for r in rejected:
+                log.info("k3fusion: rsqrt %s not recognized as RMSNorm: %s", r.anchor.name, r.reason)
+
+    def uuid(self) -> str:
+        key = f"{_source_digest()}|{self.config.cache_key()}|torch={torch.__version__}"
+        return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ComposedPass(CustomGraphPass):
+    """Run several post-grad passes in order (a user's own pass first)."""
+
+    def __init__(self, *passes) -> None:
+        self.passes = passes
+
+    def __call__(self, graph: Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self):
+        ids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+        # A plain callable has no stable id: returning None makes Inductor bypass its cache.
+        return None if any(i is None for i in ids) else tuple(ids)
+
+
+def _contains_k3fusion(p) -> bool:
+    if isinstance(p, K3FusionPass):
+        return True
+    return isinstance(p, ComposedPass) and any(_contains_k3fusion(q) for q in p.passes)
+
+
+def compose_with(existing, ours: K3FusionPass | None = None):
+    """``existing`` (the user's ``post_grad_custom_post_pass``, or None) followed by ours."""
+    if existing is not None and _contains_k3fusion(existing):
+        return existing
+    ours = ours if ours is not None else K3FusionPass()
+    return ours if existing is None else ComposedPass(existing, ours)

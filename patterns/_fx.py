@@ -1,0 +1,119 @@
+"""Small FX helpers shared by the pattern modules (matching is structural, on aten ops)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Iterable
+
+import torch
+from torch.fx import Graph, Node
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+__all__ = [
+    "NoMatch", "aten", "prims", "is_op", "val", "dtype_of", "operands", "only_user",
+    "is_graph_input", "external_users", "hoist_before", "fake_call",
+    "erase_unused", "VIEW_OPS",
+]
+
+# Ops that only reinterpret memory: walking through them keeps "the same value".
+VIEW_OPS = frozenset({
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.slice.Tensor, aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default,
+    aten.split_with_sizes.default, aten.split.Tensor, operator.getitem,
+})
+
+
+class NoMatch(Exception):
+    """A candidate site does not have the expected form; the message says why."""
+
+
+def is_op(node: object, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def val(node: Node):
+    """The fake tensor (or SymInt) the node computes, as traced."""
+    v = node.meta.get("val") if isinstance(node, Node) else None
+    if v is None:
+        raise NoMatch(f"{getattr(node, 'name', node)} has no traced value")
+    return v
+
+
+def dtype_of(node: Node) -> torch.dtype:
+    v = val(node)
+    if not isinstance(v, torch.Tensor):
+        raise NoMatch(f"{node.name} is not a tensor")
+    return v.dtype
+
+
+def operands(node: Node, other: Node) -> object:
+    """For a binary commutative ``node`` known to read ``other``: its other operand."""
+    a, b = node.args[0], node.args[1]
+    if a is other and b is not other:
+        return b
+    if b is other and a is not other:
+        return a
+    raise NoMatch(f"{node.name} does not read {other.name} exactly once")
+
+
+def only_user(node: Node) -> Node:
+    if len(node.users) != 1:
+        raise NoMatch(f"{node.name} has {len(node.users)} users, expected 1")
+    return next(iter(node.users))
+
+
+def is_graph_input(node: object) -> bool:
+    """Parameters reach post-grad graphs as placeholders (or get_attr when frozen)."""
+    return isinstance(node, Node) and node.op in ("placeholder", "get_attr")
+
+
+def external_users(nodes: Iterable[Node], output: Node) -> list[tuple[Node, Node]]:
+    """(intermediate, user) pairs where a user lies outside ``nodes``."""
+    inside = set(nodes)
+    return [(n, u) for n in inside if n is not output for u in n.users if u not in inside]
+
+
+def hoist_before(graph: Graph, needed: Iterable[Node], point: Node) -> None:
+    """Move whatever ``needed`` is computed from, where it comes after ``point``, to just
+    before ``point`` (relative order kept), so a node inserted there can read ``needed``.
+
+    Only pure ops move: a graph with a side effect in that cone raises :class:`NoMatch`.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    limit = order[point]
+    cone, stack = set(), [n for n in needed if order[n] >= limit]
+    while stack:
+        n = stack.pop()
+        if n in cone:
+            continue
+        if n is point or n.op != "call_function" or n.is_impure():
+            raise NoMatch(f"{n.name} cannot move before {point.name}")
+        cone.add(n)
+        stack.extend(i for i in n.all_input_nodes if order[i] >= limit)
+    for n in sorted(cone, key=order.__getitem__):
+        point.prepend(n)
+
+
+def fake_call(target, args: tuple):
+    """Run ``target`` on the traced fake values of ``args`` to get the new node's meta."""
+    from torch._guards import detect_fake_mode
+
+    def unwrap(a):
+        return a.meta["val"] if isinstance(a, Node) else a
+
+    vals = tuple(unwrap(a) for a in args)
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return target(*vals)
+    with mode:
+        return target(*vals)
+
+
+def erase_unused(graph: Graph, nodes: Iterable[Node]) -> None:
+    """Erase ``nodes`` that no longer have users, consumers first."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted(set(nodes), key=order.__getitem__, reverse=True):
+        if not n.users:
+            graph.erase_node(n)

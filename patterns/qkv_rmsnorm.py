@@ -1,0 +1,130 @@
+"""Fusion 1: the MLA q/kv RMSNorm pair -> ``torch.ops.k3fusion.dual_rms_norm``.
+
+In an MLA block both latents are projections of the same hidden state::
+
+    q_c        = q_a_layernorm(q_a_proj(h))
+    kv_c, k_pe = kv_a_proj_with_mqa(h).split([kv_lora, rope], -1)
+    kv_c       = kv_a_layernorm(kv_c)          # a strided view: 512 of a 576-wide row
+
+Two recognized RMSNorms are paired when each input is, up to views, the output of a
+matrix multiply whose activation is, up to views, the same tensor, and neither norm
+depends on the other. The pair becomes one ``dual_rms_norm`` node placed right after
+its last input, so every former user still comes after it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, Node
+
+from ._fx import VIEW_OPS, NoMatch, aten, erase_unused, fake_call, hoist_before, is_op
+from .rms_norm import RMSNormMatch
+
+__all__ = ["FUSION_NAME", "projection_source", "pair_qkv_norms", "fuse_qkv_rmsnorm"]
+
+FUSION_NAME = "qkv_rmsnorm"
+
+_MATMULS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0}
+
+
+def _strip_views(node: object) -> object:
+    while is_op(node, *VIEW_OPS):
+        node = node.args[0]
+    return node
+
+
+def projection_source(x: Node) -> Node | None:
+    """The activation a projection reads to produce ``x`` (views skipped), else None."""
+    mm = _strip_views(x)
+    if not is_op(mm, *_MATMULS):
+        return None
+    return _strip_views(mm.args[_MATMULS[mm.target]])
+
+
+def _depends_on(node: Node, targets: set[Node], stop_before: dict[Node, int]) -> bool:
+    """Whether ``node`` reads any of ``targets``, walking inputs no earlier than them."""
+    first = min(stop_before[t] for t in targets)
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen or stop_before[n] < first:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+@dataclass
+class QKVPairing:
+    pairs: list[tuple[RMSNormMatch, RMSNormMatch]]
+    #: Norms left unpaired, with the reason (for the debug log).
+    unpaired: list[tuple[RMSNormMatch, str]]
+
+
+def pair_qkv_norms(graph: Graph, norms: list[RMSNormMatch]) -> QKVPairing:
+    """Pair norms of projections of one hidden state, in graph order, two at a time."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_source: dict[Node, list[RMSNormMatch]] = defaultdict(list)
+    unpaired: list[tuple[RMSNormMatch, str]] = []
+    for norm in norms:
+        source = projection_source(norm.x)
+        if source is None:
+            unpaired.append((norm, "input is not a projection (mm/addmm, up to views)"))
+        else:
+            by_source[source].append(norm)
+
+    pairs = []
+    for group in by_source.values():
+        group.sort(key=lambda m: order[m.out])
+        while len(group) >= 2:
+            first, second = group[0], group[1]
+            if _depends_on(second.x, set(first.nodes), order):
+                unpaired.append((first, f"{second.out.name} depends on it"))
+                group.pop(0)
+                continue
+            pairs.append((first, second))
+            del group[:2]
+        unpaired += [(m, "no other norm of a projection of the same hidden state") for m in group]
+    return QKVPairing(pairs, unpaired)
+
+
+def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
+    """One ``dual_rms_norm`` before the first reader of either output.
+
+    The q norm's readers usually come before the kv projection in graph order, so the
+    pure ops that compute the later input are moved up first (``hoist_before``).
+    """
+    op = torch.ops.k3fusion.dual_rms_norm.default
+    args = (a.x, a.weight, a.eps, b.x, b.weight, b.eps, a.weight_in_fp32, b.weight_in_fp32)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    point = min((u for m in (a, b) for u in m.out.users), key=order.__getitem__)
+    hoist_before(graph, [a.x, a.weight, b.x, b.weight], point)
+    with graph.inserting_before(point):
+        fused = graph.call_function(op, args)
+        outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(2)]
+    fused.meta["val"] = fake_call(op, args)
+    for i, (norm, y) in enumerate(zip((a, b), outs)):
+        y.meta["val"] = fused.meta["val"][i]
+        norm.out.replace_all_uses_with(y)
+    erase_unused(graph, a.nodes + b.nodes)
+
+
+def fuse_qkv_rmsnorm(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[tuple[RMSNormMatch, str]]]:
+    """Replace every q/kv pair among ``norms``; returns (pairs fused, norms left and why)."""
+    import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
+
+    pairing = pair_qkv_norms(graph, norms)
+    fused, unpaired = 0, list(pairing.unpaired)
+    for a, b in pairing.pairs:
+        try:
+            _replace_pair(graph, a, b)
+            fused += 1
+        except NoMatch as e:  # raised before the graph is touched
+            unpaired += [(a, str(e)), (b, str(e))]
+    return fused, unpaired

@@ -1,0 +1,190 @@
+"""Recognize every RMSNorm formulation in a post-grad graph as one canonical description.
+
+The forms users write all lower to the same aten skeleton around one ``rsqrt``::
+
+    x32      = x.to(float32)                   # absent when x is already fp32
+    inv_rms  = rsqrt(mean(x32 ** 2, -1, keepdim=True) + eps)   # or x32 * x32
+    normed   = x32 * inv_rms                   # either operand order
+    cast-then-weight (HF, vLLM forward_native):   y = normed.to(x.dtype) * w
+    weight-in-fp32 (F.rms_norm, nn.RMSNorm, ...): y = (normed * w.float()).to(x.dtype)
+
+The pattern matcher of Inductor does no algebra, so instead of one traced pattern per
+variant (pow vs. mul, operand order, dtype, dim -1 vs. ndim-1, add.Tensor vs. add.Scalar)
+this module walks outward from each ``rsqrt`` and accepts exactly the variants above.
+
+Recognition does not rewrite anything: it returns :class:`RMSNormMatch` descriptions
+(the canonical op in all but name) that the fusion passes pair, chain or fold. A norm no
+fusion claims is left as the plain aten ops it was, so Inductor fuses it with its
+neighbours as before.
+
+What is refused (near misses; these compute a different function, or fusing would drop a
+value someone else reads):
+
+* a cast to a dtype other than the input's, or a weight rounded to a narrower dtype;
+* a weight that is computed in the graph (Gemma's ``1 + w`` is a different function);
+* an intermediate (``x32``, the mean, the fp32 ``normed``...) read outside the norm;
+* a reduction over another dim or without keepdim, or a mean with a dtype argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from numbers import Real
+
+import torch
+from torch.fx import Graph, Node
+
+from k3fusion.reference import rms_norm_out_dtype
+
+from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op, only_user,
+                  operands, prims, val)
+
+__all__ = ["RMSNormMatch", "RMSNormRejection", "find_rms_norms", "match_rms_norm"]
+
+_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ADD = (aten.add.Tensor, aten.add.Scalar)
+_MUL = (aten.mul.Tensor,)
+_CAST = (prims.convert_element_type.default,)
+
+
+@dataclass
+class RMSNormMatch:
+    """One recognized RMSNorm: ``out = rms_norm(x, weight, eps, weight_in_fp32)``."""
+
+    x: Node
+    weight: Node
+    eps: float
+    weight_in_fp32: bool
+    out: Node
+    #: Every node that computes ``out`` from ``x`` and ``weight`` (``out`` included).
+    nodes: list[Node] = field(repr=False)
+
+    @property
+    def width(self) -> int:
+        return int(val(self.x).shape[-1])
+
+
+@dataclass
+class RMSNormRejection:
+    """An ``rsqrt`` that looked like the start of an RMSNorm but is not one we can fuse."""
+
+    anchor: Node
+    reason: str
+
+
+def _inverse_rms(rsqrt: Node) -> tuple[Node, float, list[Node]]:
+    """``rsqrt(mean(x32**2, -1, keepdim=True) + eps)`` -> (x32, eps, nodes)."""
+    add = rsqrt.args[0]
+    if not is_op(add, *_ADD) or add.kwargs.get("alpha", 1) != 1:
+        raise NoMatch("rsqrt input is not `variance + eps`")
+    mean, eps = add.args
+    if isinstance(mean, Real):  # eps + variance
+        mean, eps = eps, mean
+    if not isinstance(eps, Real) or isinstance(eps, bool):
+        raise NoMatch("eps is not a constant")
+    if not is_op(mean, aten.mean.dim):
+        raise NoMatch("variance is not a mean")
+    square, dims = mean.args[0], mean.args[1]
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if mean.kwargs.get("dtype") is not None:
+        raise NoMatch("mean has a dtype argument")
+    ndim = val(square).dim()
+    if not keepdim or len(dims) != 1 or dims[0] not in (-1, ndim - 1):
+        raise NoMatch(f"mean over dims {list(dims)} keepdim={keepdim}, not the last dim")
+    if is_op(square, aten.pow.Tensor_Scalar) and square.args[1] == 2:
+        x32 = square.args[0]
+    elif is_op(square, *_MUL) and square.args[0] is square.args[1]:
+        x32 = square.args[0]
+    else:
+        raise NoMatch("variance does not square its input")
+    if dtype_of(x32) != torch.float32:
+        raise NoMatch(f"sum of squares is computed in {dtype_of(x32)}, not float32")
+    return x32, float(eps), [square, mean, add, rsqrt]
+
+
+def _input_of(x32: Node) -> tuple[Node, list[Node]]:
+    """The tensor before its fp32 upcast (x32 itself for an fp32 input)."""
+    if is_op(x32, *_CAST):
+        x = x32.args[0]
+        if dtype_of(x) not in (torch.bfloat16, torch.float16):
+            raise NoMatch(f"upcast from {dtype_of(x)}")
+        return x, [x32]
+    return x32, []
+
+
+def _weight(node: object, *, allow_upcast: bool) -> tuple[Node, list[Node]]:
+    """A parameter weight, optionally through an exact ``.float()`` upcast."""
+    if allow_upcast and is_op(node, *_CAST) and node.args[1] == torch.float32:
+        param, nodes = _weight(node.args[0], allow_upcast=False)
+        return param, nodes + [node]
+    if not is_graph_input(node):
+        what = node.target if isinstance(node, Node) and node.op == "call_function" else node
+        raise NoMatch(f"weight is computed in the graph ({what}), not a parameter")
+    w = val(node)
+    if w.dim() != 1 or w.dtype not in _NORM_DTYPES:
+        raise NoMatch(f"weight has shape {tuple(w.shape)} and dtype {w.dtype}")
+    return node, []
+
+
+def match_rms_norm(rsqrt: Node) -> RMSNormMatch:
+    """Describe the RMSNorm anchored at ``rsqrt``; raise :class:`NoMatch` saying why not."""
+    x32, eps, nodes = _inverse_rms(rsqrt)
+    x, upcast = _input_of(x32)
+    nodes += upcast
+    x_dtype = dtype_of(x)
+
+    normed = only_user(rsqrt)
+    if not is_op(normed, *_MUL) or operands(normed, rsqrt) is not x32:
+        raise NoMatch("rsqrt is not multiplied with the input")
+    nodes.append(normed)
+
+    step = only_user(normed)
+    if is_op(step, *_CAST):
+        # cast-then-weight: normed.to(x.dtype) * w
+        if step.args[1] != x_dtype:
+            raise NoMatch(f"normalized value cast to {step.args[1]}, input is {x_dtype}")
+        out = only_user(step)
+        if not is_op(out, *_MUL):
+            raise NoMatch("cast normalized value is not multiplied by a weight")
+        weight, w_nodes = _weight(operands(out, step), allow_upcast=False)
+        nodes += [step, *w_nodes, out]
+        weight_in_fp32 = False
+    elif is_op(step, *_MUL):
+        # weight-in-fp32: (normed * w.float()).to(x.dtype); no cast when x is fp32
+        weight, w_nodes = _weight(operands(step, normed), allow_upcast=True)
+        nodes += [*w_nodes, step]
+        out = step
+        if x_dtype != torch.float32:
+            out = only_user(step)
+            if not is_op(out, *_CAST) or out.args[1] != x_dtype:
+                raise NoMatch(f"weighted value is not cast back to {x_dtype}")
+            nodes.append(out)
+        weight_in_fp32 = True
+    else:
+        raise NoMatch(f"normalized value feeds {step.target}, not a weight multiply")
+
+    w = val(weight)
+    if w.shape[0] != val(x).shape[-1]:
+        raise NoMatch(f"weight has {w.shape[0]} elements, rows are {val(x).shape[-1]} wide")
+    expected = rms_norm_out_dtype(x_dtype, w.dtype, weight_in_fp32)
+    if dtype_of(out) != expected:
+        raise NoMatch(f"output is {dtype_of(out)}, the canonical op would give {expected}")
+    leaks = external_users(nodes, out)
+    if leaks:
+        inner, user = leaks[0]
+        raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
+    return RMSNormMatch(x=x, weight=weight, eps=eps, weight_in_fp32=weight_in_fp32,
+                        out=out, nodes=nodes)
+
+
+def find_rms_norms(graph: Graph) -> tuple[list[RMSNormMatch], list[RMSNormRejection]]:
+    """All RMSNorms in ``graph`` (in graph order), and the rsqrt sites that were not."""
+    matches, rejections = [], []
+    for node in graph.nodes:
+        if not is_op(node, aten.rsqrt.default):
+            continue
+        try:
+            matches.append(match_rms_norm(node))
+        except NoMatch as e:
+            rejections.append(RMSNormRejection(node, str(e)))
+    return matches, rejections
