@@ -1,0 +1,252 @@
+"""Eager-mode wrappers: the same fused kernels for models that are not compiled.
+
+Under ``torch.compile`` every wrapper computes the plain formulation instead, so the
+graph pass sees ordinary ops and owns the fusion there (one source of truth per mode).
+
+* :func:`fused_qkv_rmsnorm` -- the MLA q/kv RMSNorm pair as one launch.
+* :func:`patch_model` -- switch every attention module with ``q_a_layernorm`` /
+  ``kv_a_layernorm`` children of the standard RMSNorm kind to the fused pair.
+
+How a patched module fuses without touching its ``forward``: DeepSeek-style MLA code
+consumes the q norm before it even computes the kv projection::
+
+    q  = q_b_proj(q_a_layernorm(q_a_proj(h)))
+    kv = kv_a_proj_with_mqa(h); kv_c, k_pe = kv.split(...); kv_a_layernorm(kv_c) ...
+
+so ``q_a_proj`` is wrapped to compute both projections of ``h`` and both norms in one
+launch, and the three later calls take their results from that step -- only when their
+input is the very tensor (same object or same view, unmodified) the step produced.
+Anything else falls through to the original module, so results never change.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import reference
+from .ops import check_rms_norm_args
+
+__all__ = ["fused_qkv_rmsnorm", "RMSNormSpec", "rms_norm_spec", "FusedQKVRMSNorm",
+           "patch_model", "PatchReport"]
+
+log = logging.getLogger("k3fusion")
+
+
+def fused_qkv_rmsnorm(
+    q_c: torch.Tensor,
+    q_weight: torch.Tensor,
+    q_eps: float,
+    kv_c: torch.Tensor,
+    kv_weight: torch.Tensor,
+    kv_eps: float,
+    *,
+    q_weight_in_fp32: bool = False,
+    kv_weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(q_c), rms_norm(kv_c))`` in one kernel launch (plain ops when compiling).
+
+    ``kv_c`` may be a strided view (the first ``kv_lora`` columns of the kv projection).
+    """
+    if torch.compiler.is_compiling():
+        return (reference.rms_norm(q_c, q_weight, q_eps, q_weight_in_fp32),
+                reference.rms_norm(kv_c, kv_weight, kv_eps, kv_weight_in_fp32))
+    return torch.ops.k3fusion.dual_rms_norm(q_c, q_weight, q_eps, kv_c, kv_weight, kv_eps,
+                                            q_weight_in_fp32, kv_weight_in_fp32)
+
+
+@dataclass(frozen=True)
+class RMSNormSpec:
+    """What a norm module computes, in terms of ``k3fusion.reference.rms_norm``."""
+
+    weight: nn.Parameter
+    eps: float
+    weight_in_fp32: bool
+
+
+def _declared_spec(module: nn.Module) -> tuple[nn.Parameter, float] | None:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    if isinstance(module, nn.RMSNorm):
+        eps = module.eps if module.eps is not None else torch.finfo(weight.dtype).eps
+    else:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return None
+    return weight, float(eps)
+
+
+@torch.no_grad()
+def rms_norm_spec(module: nn.Module) -> RMSNormSpec | None:
+    """The module's RMSNorm formulation, or None if it is not of the standard kind.
+
+    Its weight and eps come from the usual attributes (``weight``; ``variance_epsilon``
+    or ``eps``); the formulation is then *verified*: the module must reproduce one of
+    the two reference formulations bit for bit on a probe input. Gemma's ``1 + w``,
+    or anything else, fails that check and is left alone.
+    """
+    declared = _declared_spec(module)
+    if declared is None:
+        return None
+    weight, eps = declared
+    if weight.device.type == "meta":
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(3, weight.shape[0], generator=gen).mul_(3).to(weight.device, weight.dtype)
+    try:
+        got = module(probe)
+    except Exception:  # not callable like a norm: not ours to patch
+        return None
+    for weight_in_fp32 in (False, True):
+        want = reference.rms_norm(probe, weight, eps, weight_in_fp32)
+        if got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want):
+            return RMSNormSpec(weight, eps, weight_in_fp32)
+    return None
+
+
+class FusedQKVRMSNorm(nn.Module):
+    """The q/kv norm pair of one attention module as a single fused call.
+
+    Keeps the original norm modules (their parameters stay where they were).
+    """
+
+    def __init__(self, q_norm: nn.Module, kv_norm: nn.Module) -> None:
+        super().__init__()
+        q_spec, kv_spec = rms_norm_spec(q_norm), rms_norm_spec(kv_norm)
+        if q_spec is None:
+            raise TypeError(f"q_norm ({type(q_norm).__name__}) is not a standard RMSNorm")
+        if kv_spec is None:
+            raise TypeError(f"kv_norm ({type(kv_norm).__name__}) is not a standard RMSNorm")
+        self.q_norm, self.kv_norm = q_norm, kv_norm
+        self._q_fp32, self._kv_fp32 = q_spec.weight_in_fp32, kv_spec.weight_in_fp32
+        self._q_eps, self._kv_eps = q_spec.eps, kv_spec.eps
+
+    def forward(self, q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_qkv_rmsnorm(
+            q_c, self.q_norm.weight, self._q_eps, kv_c, self.kv_norm.weight, self._kv_eps,
+            q_weight_in_fp32=self._q_fp32, kv_weight_in_fp32=self._kv_fp32)
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    """Identity of a view *and* of its contents' version (in-place writes bump it)."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+
+
+@dataclass
+class _Stash:
+    hidden: torch.Tensor
+    q_key: tuple
+    q_out: torch.Tensor
+    kv: torch.Tensor
+    kv_key: tuple
+    kv_c_key: tuple
+    kv_out: torch.Tensor
+
+
+class _QKVPrefetch:
+    """Fuses one attention module's q/kv norms by overriding four children's ``forward``.
+
+    The children stay the same modules (state_dict keys, parameters and hooks are
+    unchanged); only their instance ``forward`` is replaced, and the originals are kept.
+    """
+
+    def __init__(self, attn: nn.Module) -> None:
+        self.fused = FusedQKVRMSNorm(attn.q_a_layernorm, attn.kv_a_layernorm)
+        self.q_proj, self.kv_proj = attn.q_a_proj, attn.kv_a_proj_with_mqa
+        self.q_norm, self.kv_norm = attn.q_a_layernorm, attn.kv_a_layernorm
+        self.original = {m: m.forward for m in (self.q_proj, self.kv_proj, self.q_norm, self.kv_norm)}
+        self.kv_lora = int(self.kv_norm.weight.shape[0])
+        self.stash: _Stash | None = None
+
+    def install(self) -> None:
+        self.q_proj.forward = self.project_q
+        self.kv_proj.forward = self.project_kv
+        self.q_norm.forward = self.norm_q
+        self.kv_norm.forward = self.norm_kv
+        for m in self.original:
+            m._k3fusion_prefetch = self
+
+    def project_q(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.stash = None
+        q_c = self.original[self.q_proj](hidden)
+        if torch.compiler.is_compiling():
+            return q_c
+        kv = self.original[self.kv_proj](hidden)
+        kv_c = kv[..., : self.kv_lora]
+        try:
+            check_rms_norm_args(q_c, self.q_norm.weight, self.fused._q_eps, x_name="q_c")
+            check_rms_norm_args(kv_c, self.kv_norm.weight, self.fused._kv_eps, x_name="kv_c")
+        except (TypeError, ValueError) as e:  # unusual layout: let the modules run as written
+            log.debug("k3fusion eager: q/kv prefetch skipped: %s", e)
+            return q_c
+        q_out, kv_out = self.fused(q_c, kv_c)
+        self.stash = _Stash(hidden, _view_key(q_c), q_out, kv, _view_key(kv), _view_key(kv_c), kv_out)
+        return q_c
+
+    def project_kv(self, hidden: torch.Tensor) -> torch.Tensor:
+        s = self.stash
+        if s is not None and hidden is s.hidden and _view_key(s.kv) == s.kv_key:
+            return s.kv
+        return self.original[self.kv_proj](hidden)
+
+    def norm_q(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stash
+        if s is not None and not torch.compiler.is_compiling() and _view_key(x) == s.q_key:
+            return s.q_out
+        return self.original[self.q_norm](x)
+
+    def norm_kv(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stash
+        if s is not None and not torch.compiler.is_compiling() and _view_key(x) == s.kv_c_key:
+            self.stash = None  # the step is complete; drop the references
+            return s.kv_out
+        return self.original[self.kv_norm](x)
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch_model` did: module names patched, and skipped with the reason."""
+
+    patched: list[str]
+    skipped: dict[str, str]
+
+    def __len__(self) -> int:
+        return len(self.patched)
+
+
+_PAIR_CHILDREN = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+
+
+def patch_model(model: nn.Module) -> PatchReport:
+    """Switch every MLA attention module in ``model`` to the fused q/kv RMSNorm.
+
+    A module qualifies when it has ``q_a_proj``, ``q_a_layernorm``, ``kv_a_proj_with_mqa``
+    and ``kv_a_layernorm`` children and both norms are of the standard RMSNorm kind
+    (verified numerically, see :func:`rms_norm_spec`). Idempotent. Returns a
+    :class:`PatchReport` naming what was patched and what was skipped and why.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    report = PatchReport([], {})
+    for name, module in list(model.named_modules()):
+        if not all(hasattr(module, c) for c in _PAIR_CHILDREN[1::2]):
+            continue
+        if hasattr(module.q_a_layernorm, "_k3fusion_prefetch"):
+            report.skipped[name] = "already patched"
+            continue
+        missing = [c for c in _PAIR_CHILDREN if not isinstance(getattr(module, c, None), nn.Module)]
+        if missing:
+            report.skipped[name] = f"no {', '.join(missing)} child"
+            continue
+        try:
+            prefetch = _QKVPrefetch(module)
+        except TypeError as e:
+            report.skipped[name] = str(e)
+            continue
+        prefetch.install()
+        report.patched.append(name)
+    return report
