@@ -43,28 +43,6 @@ def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.float() - ref.float()).abs().max().item() / scale
 
 
-def _cuda_graph_ms(fn, *args, reps: int = 50) -> float:
-    """Median time of one replay of ``fn(*args)`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*args)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -94,8 +72,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         timings = None
         if device.type == "cuda":
-            timings = {name: _cuda_graph_ms(fn, ids) for name, fn in
-                       (("eager", model), ("inductor", default), ("k3fusion", fused))}
+            from k3fusion.bench.timing import cuda_graph_us
+
+            timings = {name: cuda_graph_us(fn, [(ids,)], calls_per_graph=1) / 1e3
+                       for name, fn in (("eager", model), ("inductor", default), ("k3fusion", fused))}
 
     tol = _REL_TOL[dtype]
     fusions = [{

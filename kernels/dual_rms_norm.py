@@ -1,7 +1,7 @@
 """Two RMSNorms in one Triton launch (the MLA ``q_a_layernorm`` / ``kv_a_layernorm`` pair).
 
-Each program normalizes ``ROWS`` rows of the first input and the same rows of the second,
-so a decode step (T = 1) is one program instead of two kernel launches. Rows are read in
+Programs take tiles of rows of either norm, side by side in one grid, so a decode step
+(T = 1) is two programs running at once instead of two kernel launches in a row. Rows are read in
 place through their row stride: ``kv_c`` is the first 512 columns of a 576-wide row and is
 never copied. The two norms may differ in width, eps, row count and formulation.
 
@@ -17,13 +17,15 @@ callers go through :func:`dual_rms_norm`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from ._launch import check_launchable, cdiv
 
-__all__ = ["dual_rms_norm", "pick_rows_per_program"]
+__all__ = ["dual_rms_norm", "pick_launch_shape", "LaunchShape"]
 
 
 @triton.jit
@@ -70,39 +72,53 @@ def _rms_norm_rows(
 def _dual_rms_norm_kernel(
     x1_ptr, w1_ptr, y1_ptr, n_rows1, x1_row_stride, y1_row_stride, n_cols1, eps1,
     x2_ptr, w2_ptr, y2_ptr, n_rows2, x2_row_stride, y2_row_stride, n_cols2, eps2,
+    n_programs1,
     BLOCK_COLS1: tl.constexpr,
     BLOCK_COLS2: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS1: tl.constexpr,
+    ROWS2: tl.constexpr,
     WEIGHT_IN_FP32_1: tl.constexpr,
     WEIGHT_IN_FP32_2: tl.constexpr,
 ):
-    row0 = tl.program_id(0) * ROWS
-    if row0 < n_rows1:
-        _rms_norm_rows(x1_ptr, w1_ptr, y1_ptr, row0, n_rows1, x1_row_stride, y1_row_stride,
-                       n_cols1, eps1, BLOCK_COLS1, ROWS, WEIGHT_IN_FP32_1)
-    if row0 < n_rows2:
-        _rms_norm_rows(x2_ptr, w2_ptr, y2_ptr, row0, n_rows2, x2_row_stride, y2_row_stride,
-                       n_cols2, eps2, BLOCK_COLS2, ROWS, WEIGHT_IN_FP32_2)
+    # Programs [0, n_programs1) take tiles of the first norm, the rest tiles of the
+    # second: the two norms run side by side instead of one after the other, and each
+    # program's tile is about the same size (ROWS2 = ROWS1 * BLOCK_COLS1 / BLOCK_COLS2).
+    pid = tl.program_id(0)
+    if pid < n_programs1:
+        _rms_norm_rows(x1_ptr, w1_ptr, y1_ptr, pid * ROWS1, n_rows1, x1_row_stride,
+                       y1_row_stride, n_cols1, eps1, BLOCK_COLS1, ROWS1, WEIGHT_IN_FP32_1)
+    else:
+        _rms_norm_rows(x2_ptr, w2_ptr, y2_ptr, (pid - n_programs1) * ROWS2, n_rows2,
+                       x2_row_stride, y2_row_stride, n_cols2, eps2, BLOCK_COLS2, ROWS2,
+                       WEIGHT_IN_FP32_2)
 
 
-def pick_rows_per_program(n_rows: int, n_cols_total: int) -> int:
-    """Rows per program: one at decode sizes (more programs in flight), more once
-    there are enough rows to fill the GPU, so each program moves a few KB.
+@dataclass(frozen=True)
+class LaunchShape:
+    """How the rows are tiled: rows per program for each norm, and warps per program."""
 
-    Measured on an H200 (docs/benchmarks.md); a power of two.
+    rows1: int
+    rows2: int
+    num_warps: int
+
+
+def pick_launch_shape(n_rows: int, block1: int, block2: int, rows_per_program: int = 0,
+                      num_warps: int = 0) -> LaunchShape:
+    """Tile sizes for ``n_rows`` rows (the larger of the two norms' row counts).
+
+    One row of the wider norm per program, and as many rows of the narrower one as
+    make a tile of the same size; ``rows_per_program`` scales both (tests, tuning).
+    About 8 elements per thread keeps loads 16 bytes wide without spilling.
+    Measured on an H200 (docs/benchmarks.md).
     """
-    if n_rows <= 1024:
-        return 1
-    target_elems = 4096
-    rows = 1
-    while rows * 2 * n_cols_total <= target_elems and rows < 8:
-        rows *= 2
-    return rows
-
-
-def _num_warps(block_elems: int) -> int:
-    # ~8-16 elements per thread keeps loads 16 bytes wide without register spills.
-    return max(1, min(16, triton.next_power_of_2(block_elems) // 256))
+    rows_big = rows_per_program or 1
+    wide, narrow = max(block1, block2), min(block1, block2)
+    rows_small = rows_big * max(1, min(wide // narrow, 16))
+    if n_rows <= 1:
+        rows_small = rows_big  # a single row: nothing to group
+    rows1, rows2 = (rows_big, rows_small) if block1 >= block2 else (rows_small, rows_big)
+    warps = num_warps or max(1, min(16, rows_big * wide // 1024))
+    return LaunchShape(rows1, rows2, warps)
 
 
 def dual_rms_norm(
@@ -117,30 +133,34 @@ def dual_rms_norm(
     weight_in_fp32_1: bool = False,
     weight_in_fp32_2: bool = False,
     rows_per_program: int = 0,
+    num_warps: int = 0,
 ) -> None:
     """Launch the fused kernel on 2-D row views ``x1 [T1, N1]``, ``x2 [T2, N2]``.
 
     ``y1``/``y2`` are preallocated outputs with the same shapes (any row stride, last
     dim contiguous). Arguments are validated by the caller (``k3fusion.ops``); this
-    only checks what the kernel itself needs.
+    only checks what the kernel itself needs. ``rows_per_program``/``num_warps`` of 0
+    pick by size (:func:`pick_launch_shape`).
     """
     check_launchable(x1, w1, y1, x2, w2, y2)
     n_rows1, n_cols1 = x1.shape
     n_rows2, n_cols2 = x2.shape
-    n_rows = max(n_rows1, n_rows2)
-    if n_rows == 0:
+    if max(n_rows1, n_rows2) == 0:
         return
     block1 = triton.next_power_of_2(n_cols1)
     block2 = triton.next_power_of_2(n_cols2)
-    rows = rows_per_program or pick_rows_per_program(n_rows, n_cols1 + n_cols2)
-    grid = (cdiv(n_rows, rows),)
+    shape = pick_launch_shape(max(n_rows1, n_rows2), block1, block2, rows_per_program, num_warps)
+    n_programs1 = cdiv(n_rows1, shape.rows1)
+    grid = (n_programs1 + cdiv(n_rows2, shape.rows2),)
     _dual_rms_norm_kernel[grid](
         x1, w1, y1, n_rows1, x1.stride(0), y1.stride(0), n_cols1, float(eps1),
         x2, w2, y2, n_rows2, x2.stride(0), y2.stride(0), n_cols2, float(eps2),
+        n_programs1,
         BLOCK_COLS1=block1,
         BLOCK_COLS2=block2,
-        ROWS=rows,
+        ROWS1=shape.rows1,
+        ROWS2=shape.rows2,
         WEIGHT_IN_FP32_1=bool(weight_in_fp32_1),
         WEIGHT_IN_FP32_2=bool(weight_in_fp32_2),
-        num_warps=_num_warps(rows * max(block1, block2)),
+        num_warps=shape.num_warps,
     )

@@ -6,10 +6,16 @@ In an MLA block both latents are projections of the same hidden state::
     kv_c, k_pe = kv_a_proj_with_mqa(h).split([kv_lora, rope], -1)
     kv_c       = kv_a_layernorm(kv_c)          # a strided view: 512 of a 576-wide row
 
-Two recognized RMSNorms are paired when each input is, up to views, the output of a
-matrix multiply whose activation is, up to views, the same tensor, and neither norm
-depends on the other. The pair becomes one ``dual_rms_norm`` node placed right after
-its last input, so every former user still comes after it.
+Two recognized RMSNorms are paired when neither depends on the other and their inputs
+share a source (``pairing_source``):
+
+* projections (mm/addmm, up to views) of the same activation -- the MLA block above;
+* views of the same tensor -- a fused ``q_a + kv_a`` projection split into q_c and kv_c;
+* inputs of the compiled region -- their producer lies outside the graph, and two
+  independent norms of inputs are always safe to run in one launch.
+
+The pair becomes one ``dual_rms_norm`` node placed before the first reader of either
+output; the pure ops computing the later input move up to make room.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from torch.fx import Graph, Node
 from ._fx import VIEW_OPS, NoMatch, aten, erase_unused, fake_call, hoist_before, is_op
 from .rms_norm import RMSNormMatch
 
-__all__ = ["FUSION_NAME", "projection_source", "pair_qkv_norms", "fuse_qkv_rmsnorm"]
+__all__ = ["FUSION_NAME", "REGION_INPUTS", "pairing_source", "pair_qkv_norms", "fuse_qkv_rmsnorm"]
 
 FUSION_NAME = "qkv_rmsnorm"
 
@@ -37,12 +43,18 @@ def _strip_views(node: object) -> object:
     return node
 
 
-def projection_source(x: Node) -> Node | None:
-    """The activation a projection reads to produce ``x`` (views skipped), else None."""
-    mm = _strip_views(x)
-    if not is_op(mm, *_MATMULS):
-        return None
-    return _strip_views(mm.args[_MATMULS[mm.target]])
+#: The shared source of every norm whose input is (a view of) a graph input.
+REGION_INPUTS = "region inputs"
+
+
+def pairing_source(x: Node) -> object:
+    """What ``x`` is computed from, for pairing (see the module docstring)."""
+    base = _strip_views(x)
+    if is_op(base, *_MATMULS):
+        return _strip_views(base.args[_MATMULS[base.target]])
+    if isinstance(base, Node) and base.op in ("placeholder", "get_attr"):
+        return REGION_INPUTS
+    return base
 
 
 def _depends_on(node: Node, targets: set[Node], stop_before: dict[Node, int]) -> bool:
@@ -70,14 +82,10 @@ class QKVPairing:
 def pair_qkv_norms(graph: Graph, norms: list[RMSNormMatch]) -> QKVPairing:
     """Pair norms of projections of one hidden state, in graph order, two at a time."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    by_source: dict[Node, list[RMSNormMatch]] = defaultdict(list)
+    by_source: dict[object, list[RMSNormMatch]] = defaultdict(list)
     unpaired: list[tuple[RMSNormMatch, str]] = []
     for norm in norms:
-        source = projection_source(norm.x)
-        if source is None:
-            unpaired.append((norm, "input is not a projection (mm/addmm, up to views)"))
-        else:
-            by_source[source].append(norm)
+        by_source[pairing_source(norm.x)].append(norm)
 
     pairs = []
     for group in by_source.values():
@@ -90,7 +98,9 @@ def pair_qkv_norms(graph: Graph, norms: list[RMSNormMatch]) -> QKVPairing:
                 continue
             pairs.append((first, second))
             del group[:2]
-        unpaired += [(m, "no other norm of a projection of the same hidden state") for m in group]
+        unpaired += [(m, "no other norm shares its source (a projection of the same "
+                         "hidden state, a view of the same tensor, or a region input)")
+                     for m in group]
     return QKVPairing(pairs, unpaired)
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks (need CUDA): CUDA-graph replay, median, against eager and default Inductor."""

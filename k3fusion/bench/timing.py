@@ -1,0 +1,62 @@
+"""Timing under CUDA-graph replay, and the HBM floor every table is read against."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["HBM_BYTES_PER_S", "hbm_floor_us", "cuda_graph_us", "sets_to_outgrow_l2"]
+
+#: Device-to-device copy bandwidth measured on the H200 (bytes read + written per s).
+HBM_BYTES_PER_S = 4.3e12
+
+
+def hbm_floor_us(bytes_moved: float) -> float:
+    """The time just moving ``bytes_moved`` through HBM once takes, in microseconds."""
+    return bytes_moved / HBM_BYTES_PER_S * 1e6
+
+
+def cuda_graph_us(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *,
+                  calls_per_graph: int = 20, reps: int = 30) -> float:
+    """Median microseconds of one ``fn(*args)`` inside a CUDA graph.
+
+    ``calls_per_graph`` back-to-back calls are captured into one graph, so the graph's
+    own launch cost is spread out, as in a model step captured whole. Call ``i`` reads
+    ``arg_sets[i % len(arg_sets)]``: give enough sets that together they outgrow the L2
+    cache (:func:`sets_to_outgrow_l2`), or the numbers measure the cache, not HBM.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for args in arg_sets[:3]:  # compile/autotune outside the capture
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_per_graph):
+            fn(*arg_sets[i % len(arg_sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    times.sort()
+    return times[len(times) // 2]
+
+
+#: Bytes the rotated inputs of one timing must exceed: twice the H200's 60 MB L2.
+L2_FLUSH_BYTES = 120e6
+
+
+def sets_to_outgrow_l2(bytes_per_set: float, most: int = 20) -> int:
+    """How many distinct input sets to rotate through (at most ``most``)."""
+    return max(1, min(most, math.ceil(L2_FLUSH_BYTES / max(bytes_per_set, 1))))
