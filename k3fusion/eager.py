@@ -96,15 +96,25 @@ def rms_norm_spec(module: nn.Module) -> RMSNormSpec | None:
     if weight.device.type == "meta":
         return None
     gen = torch.Generator(device="cpu").manual_seed(0)
-    probe = torch.randn(3, weight.shape[0], generator=gen).mul_(3).to(weight.device, weight.dtype)
+    n = weight.shape[0]
+    probe = torch.randn(8, n, generator=gen).mul_(3).to(weight.device, weight.dtype)
+    # Probe with a random weight (swapped in through .data, the user's storage is not
+    # touched): with a fresh all-ones weight both formulations agree and the probe
+    # could not tell which one the module computes once real weights are loaded.
+    probe_w = (1 + 0.5 * torch.randn(n, generator=gen)).to(weight.device, weight.dtype)
+    original = weight.data
+    weight.data = probe_w
     try:
         got = module(probe)
     except Exception:  # not callable like a norm: not ours to patch
         return None
+    finally:
+        weight.data = original
+    weight = probe_w
     for weight_in_fp32 in (False, True):
         want = reference.rms_norm(probe, weight, eps, weight_in_fp32)
         if got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want):
-            return RMSNormSpec(weight, eps, weight_in_fp32)
+            return RMSNormSpec(module.weight, eps, weight_in_fp32)
     return None
 
 
