@@ -13,6 +13,7 @@ Arguments are validated here, before any launch, with errors that name the argum
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -73,9 +74,27 @@ def _new_norm_output(x: torch.Tensor, w: torch.Tensor, weight_in_fp32: bool) -> 
     return x.new_empty(x.shape, dtype=dtype)
 
 
-def _check_dual(x1, w1, eps1, x2, w2, eps2) -> None:
+def _check_eps_tensor(eps_tensor: torch.Tensor | None, name: str) -> None:
+    if eps_tensor is None:
+        return
+    if eps_tensor.dim() != 0 or not eps_tensor.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a 0-dim floating tensor, got shape "
+                         f"{tuple(eps_tensor.shape)} and dtype {eps_tensor.dtype}")
+    if eps_tensor.device.type != "cpu":
+        # Reading a GPU scalar on the host would be a device sync in the launch path.
+        raise ValueError(f"{name} must be on the CPU, got {eps_tensor.device}")
+
+
+def _eps_value(eps: float, eps_tensor: torch.Tensor | None) -> float:
+    # A CPU scalar: reading it is a host read, not a device sync.
+    return eps if eps_tensor is None else float(eps_tensor)
+
+
+def _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor=None, eps2_tensor=None) -> None:
     check_rms_norm_args(x1, w1, eps1, x_name="x1", w_name="w1", eps_name="eps1")
     check_rms_norm_args(x2, w2, eps2, x_name="x2", w_name="w2", eps_name="eps2")
+    _check_eps_tensor(eps1_tensor, "eps1_tensor")
+    _check_eps_tensor(eps2_tensor, "eps2_tensor")
     if x1.device != x2.device:
         raise ValueError(f"x1 is on {x1.device} but x2 is on {x2.device}")
 
@@ -90,14 +109,22 @@ def dual_rms_norm(
     eps2: float,
     weight_in_fp32_1: bool = False,
     weight_in_fp32_2: bool = False,
+    eps1_tensor: Optional[torch.Tensor] = None,
+    eps2_tensor: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two RMSNorms in one launch; see ``k3fusion.reference.dual_rms_norm``."""
+    """Two RMSNorms in one launch; see ``k3fusion.reference.dual_rms_norm``.
+
+    ``eps1_tensor``/``eps2_tensor`` are the compiler's form of eps: with
+    ``torch.compile(dynamic=True)`` a module's float eps becomes a 0-dim CPU tensor
+    input of the graph. When given, it replaces ``eps1``/``eps2``.
+    """
     raise NotImplementedError(f"k3fusion::dual_rms_norm has no kernel for {x1.device.type}")
 
 
 @dual_rms_norm.register_fake
-def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False):
-    _check_dual(x1, w1, eps1, x2, w2, eps2)
+def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+      eps1_tensor=None, eps2_tensor=None):
+    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
     return _new_norm_output(x1, w1, weight_in_fp32_1), _new_norm_output(x2, w2, weight_in_fp32_2)
 
 
@@ -115,14 +142,18 @@ def _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_i
 
 
 @dual_rms_norm.register_kernel("cuda")
-def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False):
-    _check_dual(x1, w1, eps1, x2, w2, eps2)
+def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+      eps1_tensor=None, eps2_tensor=None):
+    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
+    eps1, eps2 = _eps_value(eps1, eps1_tensor), _eps_value(eps2, eps2_tensor)
     return _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
 
 
 @dual_rms_norm.register_kernel("cpu")
-def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False):
-    _check_dual(x1, w1, eps1, x2, w2, eps2)
+def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+      eps1_tensor=None, eps2_tensor=None):
+    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
+    eps1, eps2 = _eps_value(eps1, eps1_tensor), _eps_value(eps2, eps2_tensor)
     from k3fusion.kernels._launch import interpreter_enabled
 
     if interpreter_enabled():

@@ -69,14 +69,14 @@ class K3FusionPass(CustomGraphPass):
             record_matches(name, n)
         graph.lint()
 
-        log.info("k3fusion: %s; %d RMSNorms recognized, %d left unfused",
+        log.info("%s; %d RMSNorms recognized, %d left unfused",
                  ", ".join(f"{k} {v} matches" for k, v in counts.items()) or "no fusion enabled",
                  len(norms), len(left))
         if config.debug:
             for norm, why in left:
-                log.info("k3fusion: RMSNorm %s (x=%s) not fused: %s", norm.out.name, norm.x.name, why)
+                log.info("RMSNorm %s (x=%s) not fused: %s", norm.out.name, norm.x.name, why)
             for r in rejected:
-                log.info("k3fusion: rsqrt %s not recognized as RMSNorm: %s", r.anchor.name, r.reason)
+                log.info("rsqrt %s not recognized as RMSNorm: %s", r.anchor.name, r.reason)
 
     def uuid(self) -> str:
         key = f"{_source_digest()}|{self.config.cache_key()}|torch={torch.__version__}"

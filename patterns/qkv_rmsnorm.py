@@ -111,7 +111,13 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
     pure ops that compute the later input are moved up first (``hoist_before``).
     """
     op = torch.ops.k3fusion.dual_rms_norm.default
-    args = (a.x, a.weight, a.eps, b.x, b.weight, b.eps, a.weight_in_fp32, b.weight_in_fp32)
+
+    def eps_args(m: RMSNormMatch) -> tuple[float, Node | None]:
+        return (0.0, m.eps) if isinstance(m.eps, Node) else (m.eps, None)
+
+    (eps_a, eps_a_tensor), (eps_b, eps_b_tensor) = eps_args(a), eps_args(b)
+    args = (a.x, a.weight, eps_a, b.x, b.weight, eps_b, a.weight_in_fp32, b.weight_in_fp32,
+            eps_a_tensor, eps_b_tensor)
     order = {n: i for i, n in enumerate(graph.nodes)}
     point = min((u for m in (a, b) for u in m.out.users), key=order.__getitem__)
     hoist_before(graph, [a.x, a.weight, b.x, b.weight], point)

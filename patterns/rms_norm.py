@@ -49,11 +49,14 @@ _CAST = (prims.convert_element_type.default,)
 
 @dataclass
 class RMSNormMatch:
-    """One recognized RMSNorm: ``out = rms_norm(x, weight, eps, weight_in_fp32)``."""
+    """One recognized RMSNorm: ``out = rms_norm(x, weight, eps, weight_in_fp32)``.
+
+    ``eps`` is a float, or the node of a 0-dim CPU tensor graph input holding it.
+    """
 
     x: Node
     weight: Node
-    eps: float
+    eps: float | Node
     weight_in_fp32: bool
     out: Node
     #: Every node that computes ``out`` from ``x`` and ``weight`` (``out`` included).
@@ -72,16 +75,15 @@ class RMSNormRejection:
     reason: str
 
 
-def _inverse_rms(rsqrt: Node) -> tuple[Node, float, list[Node]]:
+def _inverse_rms(rsqrt: Node) -> tuple[Node, float | Node, list[Node]]:
     """``rsqrt(mean(x32**2, -1, keepdim=True) + eps)`` -> (x32, eps, nodes)."""
     add = rsqrt.args[0]
     if not is_op(add, *_ADD) or add.kwargs.get("alpha", 1) != 1:
         raise NoMatch("rsqrt input is not `variance + eps`")
     mean, eps = add.args
-    if isinstance(mean, Real):  # eps + variance
+    if not is_op(mean, aten.mean.dim):  # eps + variance
         mean, eps = eps, mean
-    if not isinstance(eps, Real) or isinstance(eps, bool):
-        raise NoMatch("eps is not a constant")
+    eps = _eps(eps)
     if not is_op(mean, aten.mean.dim):
         raise NoMatch("variance is not a mean")
     square, dims = mean.args[0], mean.args[1]
@@ -99,7 +101,22 @@ def _inverse_rms(rsqrt: Node) -> tuple[Node, float, list[Node]]:
         raise NoMatch("variance does not square its input")
     if dtype_of(x32) != torch.float32:
         raise NoMatch(f"sum of squares is computed in {dtype_of(x32)}, not float32")
-    return x32, float(eps), [square, mean, add, rsqrt]
+    return x32, eps, [square, mean, add, rsqrt]
+
+
+def _eps(node: object) -> float | Node:
+    """eps as a constant, or as the 0-dim graph input ``torch.compile(dynamic=True)``
+    makes of a module's float attribute (read through its cast to fp32)."""
+    if isinstance(node, Real) and not isinstance(node, bool):
+        return float(node)
+    # The cast is not part of the match: one cast node may serve several norms (CSE),
+    # and once unused it is dead code Inductor drops.
+    scalar = node.args[0] if is_op(node, *_CAST) and node.args[1] == torch.float32 else node
+    if (isinstance(scalar, Node) and scalar.op == "placeholder"
+            and isinstance(val(scalar), torch.Tensor) and val(scalar).dim() == 0
+            and val(scalar).dtype.is_floating_point and val(scalar).device.type == "cpu"):
+        return scalar
+    raise NoMatch("eps is neither a constant nor a scalar graph input")
 
 
 def _input_of(x32: Node) -> tuple[Node, list[Node]]:
