@@ -1,0 +1,187 @@
+"""Ulp-based comparison, and the tolerance each dual RMSNorm path is allowed.
+
+Why ulps: the kernel and the reference do the same arithmetic up to fp32 summation order
+and the rounding mode of the final casts, so their difference is a small number of units
+in the last place (ulps) *of each element*, whatever its magnitude. A relative/absolute
+``allclose`` would have to be loose enough for the smallest elements and then misses
+real errors in the large ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ulp", "assert_close_ulps", "dual_norm_tolerance", "FP32_ULPS"]
+
+_MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+# Exponent of the smallest normal number; below it the spacing stays 2**(min - mantissa).
+_MIN_NORMAL_EXP = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14}
+
+
+def ulp(values: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Spacing of ``dtype`` at each element of ``values`` (float64).
+
+    ``2**(floor(log2|v|) - mantissa_bits)``, floored at the subnormal spacing (so 0 and
+    subnormals get the smallest step of the format). Exact: the exponent comes from frexp.
+    """
+    dtype = values.dtype if dtype is None else dtype
+    if dtype not in _MANTISSA_BITS:
+        raise TypeError(f"no ulp for {dtype}")
+    v = values.detach().to(torch.float64).abs()
+    _, exp = torch.frexp(v)  # v = m * 2**exp, m in [0.5, 1): floor(log2 v) = exp - 1
+    floor_log2 = torch.where(v > 0, exp - 1, torch.full_like(exp, _MIN_NORMAL_EXP[dtype]))
+    floor_log2 = floor_log2.clamp_min(_MIN_NORMAL_EXP[dtype])
+    return torch.pow(2.0, (floor_log2 - _MANTISSA_BITS[dtype]).to(torch.float64))
+
+
+def assert_close_ulps(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    ulps: float,
+    *,
+    ulp_dtype: torch.dtype | None = None,
+    atol: float = 0.0,
+    msg: str = "",
+) -> None:
+    """Assert ``|actual - expected| <= ulps * ulp(expected) + atol`` elementwise.
+
+    ``ulp_dtype`` is the format whose spacing counts (default: ``expected.dtype``); pass
+    the input dtype when the error comes from an intermediate rounding to it. NaNs must
+    coincide, infinities must be equal. On failure the worst element is reported.
+    """
+    prefix = f"{msg}: " if msg else ""
+    assert actual.shape == expected.shape, f"{prefix}shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{prefix}dtype {actual.dtype} != {expected.dtype}"
+    if expected.numel() == 0:
+        return
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    a_nan, e_nan = a.isnan(), e.isnan()
+    if not torch.equal(a_nan, e_nan):
+        idx = (a_nan != e_nan).nonzero()[0].tolist()
+        raise AssertionError(
+            f"{prefix}NaN mismatch at {idx}: actual {a[tuple(idx)].item()!r}, "
+            f"expected {e[tuple(idx)].item()!r} ({int((a_nan != e_nan).sum())} elements)"
+        )
+    step = ulp(e, ulp_dtype or expected.dtype)
+    diff = (a - e).abs()
+    both_inf = a.isinf() & e.isinf() & (a == e)
+    diff = torch.where(both_inf | e_nan, torch.zeros_like(diff), diff)
+    allowed = ulps * step + atol
+    bad = ~(diff <= allowed)  # catches NaN/inf diffs too
+    if bad.any():
+        in_ulps = torch.where(bad, diff / step, torch.zeros_like(diff))
+        flat = int(in_ulps.reshape(-1).argmax())
+        idx = tuple(torch.unravel_index(torch.tensor(flat), in_ulps.shape))
+        idx = tuple(int(i) for i in idx)
+        raise AssertionError(
+            f"{prefix}{int(bad.sum())} of {bad.numel()} elements differ by more than {ulps} ulps "
+            f"({ulp_dtype or expected.dtype}) + atol {atol}; worst at {list(idx)}: "
+            f"actual {a[idx].item()!r}, expected {e[idx].item()!r}, "
+            f"|diff| {diff[idx].item():.3e} = {in_ulps[idx].item():.3f} ulps"
+        )
+
+
+# fp32 outputs (fp32 input): kernel and reference agree up to the order of the fp32
+# sum of squares (Triton's tree reduction vs torch's vectorized sum), the mean's division,
+# the rsqrt (1/sqrt: two roundings, <= 1.5 ulp, on both sides) and the 1-2 product
+# roundings -- each a fraction of an ulp to a couple of ulps, mostly shared by a whole
+# row through 1/rms. Measured: <= 4 ulps for 99.99% of elements and at most 6 over
+# ~10^5 random rows (N <= 300, eps 1e-6..0.1, |x| ~ 2**-6..2**6), even at N = 17, so the
+# sum order is not the main term. 8 leaves that tail some room while any real error (a
+# wrong eps, weight, row or stride) is off by thousands of ulps.
+FP32_ULPS = 8.0
+
+
+def dual_norm_tolerance(
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+    weight_in_fp32: bool,
+    *,
+    bf16_casts_truncate: bool,
+) -> tuple[float, torch.dtype]:
+    """``(ulps, ulp_dtype)`` allowed between a kernel's RMSNorm output and the reference.
+
+    ``bf16_casts_truncate``: Triton's CPU interpreter converts fp32 -> bf16 by truncation
+    (toward zero) where the GPU and torch round to nearest even; fp16 rounds to nearest
+    in both. Let ``u`` be the ulp of the value being rounded. The fp32 values before any
+    cast agree to a few fp32 ulps (see FP32_ULPS), i.e. ~2**-16 of a bf16 ulp.
+
+    * fp32 input: every output is fp32 -> FP32_ULPS fp32 ulps.
+    * weight-in-fp32 (output in the 16-bit input dtype): one rounding of nearly equal fp32
+      values. RNE vs RNE differs only when a rounding boundary lies between them: <= 1u.
+      Truncate vs RNE: |trunc(v') - rne(v)| < u + u/2 + noise, a multiple of u: <= 1u.
+    * cast-then-weight, same 16-bit output dtype: the normalized value ``q`` is rounded
+      to the input dtype (<= 1 ulp(q) apart, as above), then ``q * w`` is rounded again.
+      ``|q - q'| * |w| <= ulp(q) * |w| < 2 ulp(q * w)`` (ulp(q)/|q| can be twice
+      ulp(qw)/|qw|). Both rounded to nearest: a multiple of u below 2u + u -> <= 2u.
+      Truncate vs RNE: < 2u + u + u/2 -> <= 3u.
+    * cast-then-weight, fp32 output (16-bit input, fp32 weight): ``q`` differs by <= 1
+      ulp(q) in the input dtype, so the fp32 products differ by < 2 input-dtype ulps of
+      the output, plus two fp32 product roundings (2**-16 of a bf16 ulp each, 2**-13 for
+      fp16): counted in input-dtype ulps, 2 + 2**-12.
+
+    Measured in the interpreter over ~3000 random members: 3 (bf16 cast-then-weight),
+    2 (fp16 cast-then-weight), 1 (weight-in-fp32) and 1.98 / 1.84 (fp32 output from
+    bf16 / fp16 input) ulps: every bound is attained, none can be tightened.
+    """
+    low = (torch.bfloat16, torch.float16)
+    if x_dtype == torch.float32:
+        return FP32_ULPS, torch.float32
+    if x_dtype not in low:
+        raise TypeError(f"no tolerance for {x_dtype}")
+    truncating = bf16_casts_truncate and x_dtype == torch.bfloat16
+    if weight_in_fp32:
+        return 1.0, x_dtype
+    out_dtype = torch.promote_types(x_dtype, w_dtype)
+    if out_dtype == x_dtype:
+        return (3.0 if truncating else 2.0), x_dtype
+    return 2.0 + 2.0**-12, x_dtype
+
+
+def assert_on_input_grid(y: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype, msg: str = "") -> None:
+    """Cast-then-weight with an fp32 output: ``y = fp32(q * w)`` where ``q`` is the
+    normalized row *rounded to the input dtype*. So ``y / w`` must be a value of
+    ``x_dtype`` up to the fp32 product rounding (2**-24 relative, checked at 2**-22).
+
+    This is what tells the two formulations apart: skipping the rounding leaves ``y / w``
+    anywhere between grid points (up to half an input-dtype ulp, 2**-9 relative for bf16),
+    a difference the ulp tolerance above cannot see.
+    """
+    prefix = f"{msg}: " if msg else ""
+    y64 = y.detach().to("cpu", torch.float64)
+    w64 = w.detach().to("cpu", torch.float64).expand_as(y64)
+    keep = (w64 != 0) & (y64 != 0)
+    q = y64[keep] / w64[keep]
+    snapped = q.to(x_dtype).to(torch.float64)
+    rel = ((q - snapped).abs() / q.abs()) if q.numel() else q
+    if rel.numel() and not bool((rel <= 2.0**-22).all()):
+        i = int(rel.argmax())
+        raise AssertionError(
+            f"{prefix}y / w is not on the {x_dtype} grid (the normalized value was not rounded "
+            f"to the input dtype before weighting): {q[i].item()!r} vs nearest "
+            f"{snapped[i].item()!r}, relative {rel[i].item():.3e}"
+        )
+
+
+def assert_matches_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    weight_in_fp32: bool,
+    *,
+    bf16_casts_truncate: bool,
+    msg: str = "",
+) -> None:
+    """``y`` (a kernel's output for ``x``) against ``k3fusion.reference.rms_norm``."""
+    from k3fusion import reference
+
+    expected = reference.rms_norm(x, w, eps, weight_in_fp32)
+    ulps, ulp_dtype = dual_norm_tolerance(
+        x.dtype, w.dtype, weight_in_fp32, bf16_casts_truncate=bf16_casts_truncate
+    )
+    assert y.device == x.device, f"{msg}: output on {y.device}, input on {x.device}"
+    assert_close_ulps(y, expected, ulps, ulp_dtype=ulp_dtype, msg=msg)
+    if not weight_in_fp32 and x.dtype != torch.float32 and y.dtype == torch.float32:
+        assert_on_input_grid(y, w, x.dtype, msg=msg)

@@ -1,0 +1,30 @@
+"""Test setup: Triton interpreter on CPU-only machines, hypothesis profiles, ``cuda`` marker."""
+
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is *decorated*, i.e. when k3fusion's kernel
+# modules are imported, so this must run before anything imports k3fusion.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "dev", deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
