@@ -33,6 +33,8 @@ class FusionConfig:
 
     #: Pair the MLA ``q_a_layernorm`` / ``kv_a_layernorm`` into one fused kernel.
     qkv_rmsnorm: bool = True
+    #: Fuse each Block AttnRes chain (delta add, mix, output norm) into one kernel.
+    attn_res: bool = True
     #: Log, for every recognized RMSNorm left unfused, why (logger ``k3fusion``).
     debug: bool = False
     #: Rows handled by one program of the dual RMSNorm kernel; 0 picks by size.

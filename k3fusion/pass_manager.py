@@ -56,12 +56,18 @@ class K3FusionPass(CustomGraphPass):
         return self._config if self._config is not None else get_config()
 
     def __call__(self, graph: Graph) -> None:
+        from k3fusion.patterns.attn_res import FUSION_NAME as ATTN_RES, fuse_attn_res
         from k3fusion.patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm
         from k3fusion.patterns.rms_norm import find_rms_norms
 
         config = self.config
         norms, rejected = find_rms_norms(graph)
+        recognized = len(norms)
         counts: dict[str, int] = {}
+        misses: list[str] = []
+        # AttnRes first: it claims its key norms and the norm after it (the output norm).
+        if config.attn_res:
+            counts[ATTN_RES], norms, misses = fuse_attn_res(graph, norms)
         left = [(m, "qkv_rmsnorm is disabled (K3FUSION_QKV_RMSNORM=0)") for m in norms]
         if config.qkv_rmsnorm:
             counts[QKV], left = fuse_qkv_rmsnorm(graph, norms)
@@ -71,8 +77,10 @@ class K3FusionPass(CustomGraphPass):
 
         log.info("%s; %d RMSNorms recognized, %d left unfused",
                  ", ".join(f"{k} {v} matches" for k, v in counts.items()) or "no fusion enabled",
-                 len(norms), len(left))
+                 recognized, len(left))
         if config.debug:
+            for miss in misses:
+                log.info("AttnRes site not fused: %s", miss)
             for norm, why in left:
                 log.info("RMSNorm %s (x=%s) not fused: %s", norm.out.name, norm.x.name, why)
             for r in rejected:

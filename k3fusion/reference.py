@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm", "dual_rms_norm", "rms_norm_out_dtype"]
+__all__ = ["rms_norm", "dual_rms_norm", "rms_norm_out_dtype", "attn_res"]
 
 
 def rms_norm_out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, weight_in_fp32: bool) -> torch.dtype:
@@ -52,3 +52,50 @@ def dual_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two independent :func:`rms_norm` calls (one launch in the fused kernel)."""
     return rms_norm(x1, w1, eps1, weight_in_fp32_1), rms_norm(x2, w2, eps2, weight_in_fp32_2)
+
+
+def attn_res(
+    prefix: torch.Tensor,
+    blocks: torch.Tensor,
+    num_blocks: int,
+    norm_w: torch.Tensor,
+    proj_w: torch.Tensor,
+    eps: float,
+    delta: torch.Tensor | None = None,
+    block_write_idx: int = -1,
+    out_norm_w: torch.Tensor | None = None,
+    out_eps: float = 1e-6,
+    out_weight_in_fp32: bool = False,
+) -> torch.Tensor:
+    """Block Attention Residuals: a softmax mix over completed blocks and the prefix.
+
+    ``prefix [T, H]``, ``blocks [T, NBmax, H]`` (any strides but a contiguous last dim),
+    in this order (mutating ``prefix`` and ``blocks`` in place):
+
+    1. with ``delta``: ``prefix <- (prefix.float() + delta.float()).to(prefix.dtype)``;
+       the rounded value is what the later steps read;
+    2. ``block_write_idx >= 0``: ``blocks[:, block_write_idx] <- prefix`` (an append: the
+       index must be >= ``num_blocks``);
+    3. sources ``v_s``: ``blocks[:, :num_blocks]``, then ``prefix``;
+    4. ``logit_s = rsqrt(mean(v_s**2) + eps) * sum(v_s * norm_w * proj_w)``, in fp32;
+    5. ``mixed = sum_s softmax(logit)_s * v_s`` (raw values, fp32);
+    6. without ``out_norm_w``: ``mixed.to(prefix.dtype)``; with it,
+       ``rms_norm(mixed.to(prefix.dtype), out_norm_w, out_eps, out_weight_in_fp32)`` --
+       the mix is rounded to the model dtype first, as a module materializes it before
+       its next norm.
+    """
+    if delta is not None:
+        prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
+    if block_write_idx >= 0:
+        if block_write_idx < num_blocks:
+            raise ValueError(f"block_write_idx {block_write_idx} would overwrite a live source "
+                             f"(num_blocks={num_blocks})")
+        blocks[:, block_write_idx].copy_(prefix)
+    sources = torch.cat([blocks[:, :num_blocks], prefix.unsqueeze(1)], dim=1).float()
+    inv_rms = torch.rsqrt(sources.pow(2).mean(-1) + eps)
+    logits = inv_rms * (sources * norm_w.float() * proj_w.float()).sum(-1)
+    weights = torch.softmax(logits, dim=-1)
+    mixed = (weights.unsqueeze(-1) * sources).sum(1).to(prefix.dtype)
+    if out_norm_w is None:
+        return mixed
+    return rms_norm(mixed, out_norm_w, out_eps, out_weight_in_fp32)

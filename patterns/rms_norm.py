@@ -39,7 +39,8 @@ from k3fusion.reference import rms_norm_out_dtype
 from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op, only_user,
                   operands, prims, val)
 
-__all__ = ["RMSNormMatch", "RMSNormRejection", "find_rms_norms", "match_rms_norm"]
+__all__ = ["RMSNormMatch", "RMSNormRejection", "find_rms_norms", "match_rms_norm",
+           "inverse_rms", "upcast_input", "parameter_weight"]
 
 _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ADD = (aten.add.Tensor, aten.add.Scalar)
@@ -75,7 +76,7 @@ class RMSNormRejection:
     reason: str
 
 
-def _inverse_rms(rsqrt: Node) -> tuple[Node, float | Node, list[Node]]:
+def inverse_rms(rsqrt: Node) -> tuple[Node, float | Node, list[Node]]:
     """``rsqrt(mean(x32**2, -1, keepdim=True) + eps)`` -> (x32, eps, nodes)."""
     add = rsqrt.args[0]
     if not is_op(add, *_ADD) or add.kwargs.get("alpha", 1) != 1:
@@ -119,7 +120,7 @@ def _eps(node: object) -> float | Node:
     raise NoMatch("eps is neither a constant nor a scalar graph input")
 
 
-def _input_of(x32: Node) -> tuple[Node, list[Node]]:
+def upcast_input(x32: Node) -> tuple[Node, list[Node]]:
     """The tensor before its fp32 upcast (x32 itself for an fp32 input)."""
     if is_op(x32, *_CAST):
         x = x32.args[0]
@@ -129,10 +130,10 @@ def _input_of(x32: Node) -> tuple[Node, list[Node]]:
     return x32, []
 
 
-def _weight(node: object, *, allow_upcast: bool) -> tuple[Node, list[Node]]:
+def parameter_weight(node: object, *, allow_upcast: bool) -> tuple[Node, list[Node]]:
     """A parameter weight, optionally through an exact ``.float()`` upcast."""
     if allow_upcast and is_op(node, *_CAST) and node.args[1] == torch.float32:
-        param, nodes = _weight(node.args[0], allow_upcast=False)
+        param, nodes = parameter_weight(node.args[0], allow_upcast=False)
         return param, nodes + [node]
     if not is_graph_input(node):
         what = node.target if isinstance(node, Node) and node.op == "call_function" else node
@@ -145,8 +146,8 @@ def _weight(node: object, *, allow_upcast: bool) -> tuple[Node, list[Node]]:
 
 def match_rms_norm(rsqrt: Node) -> RMSNormMatch:
     """Describe the RMSNorm anchored at ``rsqrt``; raise :class:`NoMatch` saying why not."""
-    x32, eps, nodes = _inverse_rms(rsqrt)
-    x, upcast = _input_of(x32)
+    x32, eps, nodes = inverse_rms(rsqrt)
+    x, upcast = upcast_input(x32)
     nodes += upcast
     x_dtype = dtype_of(x)
 
@@ -163,12 +164,12 @@ def match_rms_norm(rsqrt: Node) -> RMSNormMatch:
         out = only_user(step)
         if not is_op(out, *_MUL):
             raise NoMatch("cast normalized value is not multiplied by a weight")
-        weight, w_nodes = _weight(operands(out, step), allow_upcast=False)
+        weight, w_nodes = parameter_weight(operands(out, step), allow_upcast=False)
         nodes += [step, *w_nodes, out]
         weight_in_fp32 = False
     elif is_op(step, *_MUL):
         # weight-in-fp32: (normed * w.float()).to(x.dtype); no cast when x is fp32
-        weight, w_nodes = _weight(operands(step, normed), allow_upcast=True)
+        weight, w_nodes = parameter_weight(operands(step, normed), allow_upcast=True)
         nodes += [*w_nodes, step]
         out = step
         if x_dtype != torch.float32:

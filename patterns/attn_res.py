@@ -1,0 +1,356 @@
+"""Fusion 2: the Block AttnRes chain -> ``torch.ops.k3fusion.attn_res`` (one kernel).
+
+What a site computes, as module code writes it (source dim -2)::
+
+    prefix  = prefix + delta                          # optional: becomes the kernel's delta
+    sources = stack(blocks + [prefix], -2)            # list bank (cat + reshape in aten)
+            | cat([bank[..., :n, :], prefix[..., None, :]], -2)      # tensor bank
+    keys    = RMSNorm_g(sources)                      # model dtype or fp32
+    logits  = keys @ w.T                              # Linear(H, 1), squeezed
+    p       = softmax(logits.float(), -1)
+    mixed   = sum(p[..., None] * sources, -2)         # model dtype or fp32, cast back
+    out     = RMSNorm(mixed)                          # optional: folded in as the output norm
+
+The kernel computes keys, logits and the mix in fp32 (``k3fusion.reference.attn_res``);
+a module that rounds its keys or mix to bf16 gets the same function up to that rounding.
+
+Sources: for a list bank the completed blocks are stacked once per distinct block list
+(the sites of one block share it) instead of restacking blocks *and* prefix at every
+site; a tensor bank is read in place. A block write into a tensor bank
+(``bank[..., i, :] = prefix``) stays the graph's own op; the site reads the bank version
+before that write (the write index is >= n, so those slots are equal).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, Node
+
+from ._fx import (NoMatch, aten, dtype_of, erase_unused, external_users, fake_call,
+                  hoist_before, is_graph_input, is_op, only_user, operands, prims, val)
+from .rms_norm import RMSNormMatch, inverse_rms, parameter_weight, upcast_input
+
+__all__ = ["FUSION_NAME", "AttnResSite", "match_attn_res", "fuse_attn_res"]
+
+FUSION_NAME = "attn_res"
+
+_CAST = prims.convert_element_type.default
+_MUL = aten.mul.Tensor
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+@dataclass
+class AttnResSite:
+    """One recognized AttnRes mix (before the optional folds)."""
+
+    prefix: Node
+    #: List bank: the block tensors, oldest first. Tensor bank: None.
+    blocks: list[Node] | None
+    #: Tensor bank: the bank (a version whose first ``num_blocks`` slots are the blocks).
+    bank: Node | None
+    num_blocks: int
+    norm_w: Node
+    proj_w: Node
+    eps: float | Node
+    #: The site's result in the model dtype (what the output norm, if any, reads).
+    mixed: Node
+    nodes: list[Node] = field(repr=False)
+
+
+def _last_dim(node: Node, dims) -> bool:
+    ndim = val(node).dim()
+    return len(dims) == 1 and dims[0] in (-1, ndim - 1)
+
+
+def _dim_is(node: Node, dim: int, want: int) -> bool:
+    """``dim`` of ``node``'s value is its ``want``-th dim from the end (want < 0)."""
+    return dim in (want, val(node).dim() + want)
+
+
+def _softmax(div: Node) -> tuple[Node, list[Node]]:
+    """``exp(l - amax(l)) / sum(exp(...))`` over the last dim -> (fp32 logits, nodes)."""
+    if not is_op(div, aten.div.Tensor):
+        raise NoMatch("not a division")
+    exp, denom = div.args
+    if not (is_op(exp, aten.exp.default) and is_op(denom, aten.sum.dim_IntList)
+            and denom.args[0] is exp and _last_dim(exp, denom.args[1])
+            and (denom.args[2] if len(denom.args) > 2 else denom.kwargs.get("keepdim"))):
+        raise NoMatch("not a softmax denominator")
+    sub = exp.args[0]
+    if not is_op(sub, aten.sub.Tensor):
+        raise NoMatch("softmax without max subtraction")
+    logits, amax = sub.args
+    if not (is_op(amax, aten.amax.default) and amax.args[0] is logits
+            and _last_dim(logits, amax.args[1])):
+        raise NoMatch("softmax without amax")
+    if dtype_of(logits) != torch.float32:
+        raise NoMatch(f"softmax in {dtype_of(logits)}, not float32")
+    return logits, [amax, sub, exp, denom, div]
+
+
+def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
+    """``Linear(H, 1)`` of the keys, squeezed -> (keys, proj weight param, nodes)."""
+    nodes = []
+    if is_op(logits, _CAST):  # logits.float() of model-dtype logits
+        nodes.append(logits)
+        logits = logits.args[0]
+    if not (is_op(logits, aten.squeeze.dim) and _dim_is(logits.args[0], logits.args[1], -1)):
+        raise NoMatch("logits are not a squeezed projection")
+    view = logits.args[0]
+    if not (is_op(view, *_VIEWS) and val(view).shape[-1] == 1):
+        raise NoMatch("projection output is not [..., S, 1]")
+    mm = view.args[0]
+    if not is_op(mm, aten.mm.default):
+        raise NoMatch("projection is not a matrix multiply")
+    flat_keys, w_t = mm.args
+    if not (is_op(w_t, aten.permute.default) and list(w_t.args[1]) == [1, 0]):
+        raise NoMatch("projection weight is not transposed")
+    proj_w, w_nodes = parameter_weight_2d(w_t.args[0])
+    if not is_op(flat_keys, *_VIEWS):
+        raise NoMatch("keys are not flattened for the projection")
+    nodes += [logits, view, mm, w_t, flat_keys, *w_nodes]
+    return flat_keys.args[0], proj_w, nodes
+
+
+def parameter_weight_2d(node: object) -> tuple[Node, list[Node]]:
+    """A ``[1, H]`` Linear weight parameter, optionally through ``.float()``."""
+    nodes = []
+    if is_op(node, _CAST) and node.args[1] == torch.float32:
+        nodes.append(node)
+        node = node.args[0]
+    if not is_graph_input(node) or val(node).dim() != 2 or val(node).shape[0] != 1:
+        raise NoMatch("projection weight is not a [1, H] parameter")
+    return node, nodes
+
+
+def _key_norm(keys: Node) -> tuple[Node, Node, float | Node, Node, list[Node]]:
+    """RMSNorm of the sources -> (sources, norm weight, eps, x32, nodes).
+
+    Accepts cast-then-weight keys in the model dtype and keys weighted in fp32 (cast
+    back or not): the kernel computes them in fp32 either way.
+    """
+    nodes = []
+    step = keys
+    if is_op(step, _CAST):  # weight-in-fp32 keys cast back to the model dtype
+        nodes.append(step)
+        step = step.args[0]
+    if not is_op(step, _MUL):
+        raise NoMatch("keys are not a weighted norm")
+    nodes.append(step)
+    a, b = step.args
+    for normed_side, w_side in ((a, b), (b, a)):
+        inner = normed_side
+        cast = None
+        if is_op(inner, _CAST):
+            cast, inner = inner, inner.args[0]
+        if not is_op(inner, _MUL):
+            continue
+        rsqrt = next((o for o in inner.args if is_op(o, aten.rsqrt.default)), None)
+        if rsqrt is None:
+            continue
+        x32, eps, rms_nodes = inverse_rms(rsqrt)
+        if operands(inner, rsqrt) is not x32:
+            raise NoMatch("normalized keys are not x * rsqrt(...)")
+        norm_w, w_nodes = parameter_weight(w_side, allow_upcast=True)
+        sources, upcast = upcast_input(x32)
+        nodes += [inner, *rms_nodes, *w_nodes, *upcast] + ([cast] if cast is not None else [])
+        return sources, norm_w, eps, x32, nodes
+    raise NoMatch("keys are not RMSNorm(sources) * weight")
+
+
+def _mix(div: Node, sources: Node, x32: Node) -> tuple[Node, list[Node]]:
+    """``sum(p[..., None] * sources, -2)`` (cast back if computed in fp32) -> (mixed, nodes)."""
+    nodes = []
+    p = only_user(div)
+    if is_op(p, _CAST):
+        nodes.append(p)
+        p = only_user(p)
+    if not (is_op(p, aten.unsqueeze.default) and _dim_is(p, p.args[1], -1)):
+        raise NoMatch("softmax weights are not unsqueezed for the mix")
+    weighted = only_user(p)
+    if not is_op(weighted, _MUL) or operands(weighted, p) not in (sources, x32):
+        raise NoMatch("softmax weights do not scale the sources")
+    total = only_user(weighted)
+    if not (is_op(total, aten.sum.dim_IntList) and len(total.args[1]) == 1
+            and _dim_is(weighted, total.args[1][0], -2)):
+        raise NoMatch("weighted sources are not summed over the source dim")
+    nodes += [p, weighted, total]
+    mixed = total
+    if dtype_of(total) != dtype_of(sources):
+        mixed = only_user(total)
+        if not (is_op(mixed, _CAST) and mixed.args[1] == dtype_of(sources)):
+            raise NoMatch(f"mix is not cast back to {dtype_of(sources)}")
+        nodes.append(mixed)
+    return mixed, nodes
+
+
+def _older_bank_version(bank: Node, n: int) -> Node:
+    """Skip writes of slots >= n (``select_scatter``): the first n slots are unchanged."""
+    while (is_op(bank, aten.select_scatter.default) and _dim_is(bank, bank.args[2], -2)
+           and bank.args[3] >= n):
+        bank = bank.args[0]
+    return bank
+
+
+def _source_layout(sources: Node) -> tuple[Node, list[Node] | None, Node | None, int, list[Node]]:
+    """-> (prefix, blocks or None, bank or None, num_blocks, nodes)."""
+    width = val(sources).shape[-1]
+    if is_op(sources, aten.unsqueeze.default) and _dim_is(sources, sources.args[1], -2):
+        return sources.args[0], [], None, 0, [sources]  # a single source: the prefix
+    if is_op(sources, *_VIEWS) and is_op(sources.args[0], aten.cat.default):
+        # stack(items, -2) lowers to cat(items, -1) viewed as [..., S, H]
+        cat = sources.args[0]
+        items = list(cat.args[0])
+        dim = cat.args[1] if len(cat.args) > 1 else 0
+        if not (_dim_is(items[0], dim, -1) and val(sources).shape[-2] == len(items)
+                and all(val(i).shape == val(items[0]).shape for i in items)
+                and val(items[0]).shape[-1] == width):
+            raise NoMatch("sources are not a stack over dim -2")
+        return items[-1], items[:-1], None, len(items) - 1, [cat, sources]
+    if is_op(sources, aten.cat.default) and _dim_is(sources, sources.args[1], -2):
+        parts = list(sources.args[0])
+        if len(parts) != 2:
+            raise NoMatch("tensor-bank sources are not [bank slice, prefix]")
+        blocks, last = parts
+        if not (is_op(last, aten.unsqueeze.default) and _dim_is(last, last.args[1], -2)):
+            raise NoMatch("last source is not the prefix")
+        if not (is_op(blocks, aten.slice.Tensor) and _dim_is(blocks, blocks.args[1], -2)
+                and blocks.args[2] == 0):
+            raise NoMatch("blocks are not a leading slice of a bank")
+        n = val(blocks).shape[-2]
+        bank = _older_bank_version(blocks.args[0], n)
+        return last.args[0], None, bank, int(n), [sources, blocks, last]
+    raise NoMatch("sources are neither a stack of blocks and prefix nor a bank slice + prefix")
+
+
+def match_attn_res(div: Node) -> AttnResSite:
+    """Describe the AttnRes site whose softmax ends at ``div``, or raise NoMatch."""
+    logits, nodes = _softmax(div)
+    keys, proj_w, proj_nodes = _projection(logits)
+    sources, norm_w, eps, x32, key_nodes = _key_norm(keys)
+    mixed, mix_nodes = _mix(div, sources, x32)
+    prefix, blocks, bank, n, source_nodes = _source_layout(sources)
+    nodes += proj_nodes + key_nodes + mix_nodes + source_nodes
+
+    width = val(sources).shape[-1]
+    if val(proj_w).shape[-1] != width or val(norm_w).shape[0] != width:
+        raise NoMatch("weights do not match the hidden width")
+    if val(prefix).shape != val(sources).shape[:-2] + (width,) or dtype_of(prefix) != dtype_of(sources):
+        raise NoMatch("prefix shape or dtype differs from the sources")
+    leaks = external_users(nodes, mixed)
+    if leaks:
+        inner, user = leaks[0]
+        raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
+    return AttnResSite(prefix=prefix, blocks=blocks, bank=bank, num_blocks=n, norm_w=norm_w,
+                       proj_w=proj_w, eps=eps, mixed=mixed, nodes=nodes)
+
+
+def _delta_of(prefix: Node) -> tuple[Node, Node] | None:
+    """``prefix = prev + delta`` in the prefix dtype, no broadcasting -> (prev, delta)."""
+    if not (is_op(prefix, aten.add.Tensor) and prefix.kwargs.get("alpha", 1) == 1):
+        return None
+    prev, delta = prefix.args
+    if not all(isinstance(t, Node) and isinstance(val(t), torch.Tensor) for t in (prev, delta)):
+        return None
+    if any(val(t).shape != val(prefix).shape or val(t).dtype != val(prefix).dtype for t in (prev, delta)):
+        return None
+    return prev, delta
+
+
+def _call(graph: Graph, target, args: tuple) -> Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = fake_call(target, args)
+    return node
+
+
+def _eps_args(eps: float | Node) -> tuple[float, Node | None]:
+    return (0.0, eps) if isinstance(eps, Node) else (eps, None)
+
+
+class _BlockStacks:
+    """One ``stack(blocks, -2)`` per distinct list of block tensors, shared by its sites."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.stacks: dict[tuple[Node, ...], Node] = {}
+
+    def get(self, blocks: list[Node], prefix: Node, point: Node) -> Node:
+        key = tuple(blocks)
+        if key not in self.stacks:
+            g = self.graph
+            with g.inserting_before(point):
+                if blocks:
+                    parts = [_call(g, aten.unsqueeze.default, (b, -2)) for b in blocks]
+                    self.stacks[key] = _call(g, aten.cat.default, (parts, -2))
+                else:  # no blocks: any [..., 0+, H] tensor of the right dtype will do
+                    return _call(g, aten.unsqueeze.default, (prefix, -2))
+        return self.stacks[key]
+
+
+def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RMSNormMatch], list[str]]:
+    """Replace every AttnRes site; returns (sites fused, norms still unclaimed, misses)."""
+    import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
+
+    op = torch.ops.k3fusion.attn_res.default
+    claimed: set[Node] = set()
+    by_input = {m.x: m for m in norms}
+    stacks = _BlockStacks(graph)
+    fused, misses = 0, []
+    for div in [n for n in graph.nodes if is_op(n, aten.div.Tensor)]:
+        try:
+            site = match_attn_res(div)
+        except NoMatch as e:
+            if is_op(div.args[0], aten.exp.default):  # looked like a softmax: worth saying
+                misses.append(f"softmax {div.name}: {e}")
+            continue
+        out_norm = by_input.get(site.mixed)
+        if out_norm is not None and (len(site.mixed.users) != 1 or out_norm.out in claimed):
+            out_norm = None
+        handoff = _delta_of(site.prefix)
+        prefix_in, delta = handoff if handoff else (site.prefix, None)
+
+        outputs = [site.mixed if out_norm is None else out_norm.out] + ([site.prefix] if delta else [])
+        site_nodes = set(site.nodes) | set(out_norm.nodes if out_norm else ())
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        readers = [u for o in outputs for u in o.users if u not in site_nodes]
+        if not readers:
+            misses.append(f"softmax {div.name}: result unused")
+            continue
+        point = min(readers, key=order.__getitem__)
+        needed = [prefix_in, site.norm_w, site.proj_w] + ([delta] if delta else [])
+        needed += site.blocks if site.blocks is not None else [site.bank]
+        try:
+            hoist_before(graph, needed, point)
+        except NoMatch as e:
+            misses.append(f"softmax {div.name}: {e}")
+            continue
+
+        bank = (stacks.get(site.blocks, prefix_in, point) if site.blocks is not None
+                else site.bank)
+        eps, eps_t = _eps_args(site.eps)
+        if out_norm is not None:
+            out_eps, out_eps_t = _eps_args(out_norm.eps)
+            out_w, out_fp32 = out_norm.weight, out_norm.weight_in_fp32
+        else:
+            out_eps, out_eps_t, out_w, out_fp32 = 1e-6, None, None, False
+        with graph.inserting_before(point):
+            width = val(site.proj_w).shape[-1]
+            proj = _call(graph, aten.view.default, (site.proj_w, [width]))
+            args = (prefix_in, bank, site.num_blocks, site.norm_w, proj, eps, delta, out_w,
+                    out_eps, out_fp32, eps_t, out_eps_t)
+            node = _call(graph, op, args)
+            results = []
+            for i, old in enumerate(outputs):
+                r = graph.call_function(operator.getitem, (node, i))
+                r.meta["val"] = node.meta["val"][i]
+                results.append(r)
+        for old, new in zip(outputs, results):
+            old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in site_nodes)
+        erase_unused(graph, list(site_nodes) + ([site.prefix] if delta else []))
+        claimed |= site_nodes  # the key norm and the output norm are part of the site now
+        fused += 1
+    left = [m for m in norms if m.out not in claimed]
+    return fused, left, misses
