@@ -31,7 +31,7 @@ from . import reference
 from .ops import check_rms_norm_args
 
 __all__ = ["fused_qkv_rmsnorm", "RMSNormSpec", "rms_norm_spec", "FusedQKVRMSNorm",
-           "patch_model", "PatchReport"]
+           "patch_model", "PatchReport", "attn_res", "AttnResSpec", "attn_res_spec"]
 
 log = logging.getLogger("k3fusion")
 
@@ -236,17 +236,28 @@ _PAIR_CHILDREN = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layer
 
 
 def patch_model(model: nn.Module) -> PatchReport:
-    """Switch every MLA attention module in ``model`` to the fused q/kv RMSNorm.
+    """Switch ``model`` to the fused eager kernels.
 
-    A module qualifies when it has ``q_a_proj``, ``q_a_layernorm``, ``kv_a_proj_with_mqa``
+    * MLA q/kv norms: a module qualifies when it has ``q_a_proj``, ``q_a_layernorm``, ``kv_a_proj_with_mqa``
     and ``kv_a_layernorm`` children and both norms are of the standard RMSNorm kind
-    (verified numerically, see :func:`rms_norm_spec`). Idempotent. Returns a
-    :class:`PatchReport` naming what was patched and what was skipped and why.
+    (verified numerically, see :func:`rms_norm_spec`).
+    * AttnRes: every module with an ``apply_attn_res`` method (the Kimi-K3 contract, see
+      ``k3fusion.models.kimi_k3.apply_attn_res``) runs the fused kernel; calls whose
+      AttnRes or norm modules are not standard (:func:`attn_res_spec`) run the original.
+
+    Idempotent. Returns a :class:`PatchReport` naming what was patched and what was
+    skipped and why.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     report = PatchReport([], {})
     for name, module in list(model.named_modules()):
+        if callable(getattr(module, "apply_attn_res", None)) and _has_attn_res_child(module):
+            why = _patch_attn_res(module)
+            if why is None:
+                report.patched.append(f"{name}.apply_attn_res" if name else "apply_attn_res")
+            else:
+                report.skipped[f"{name}.apply_attn_res"] = why
         if not all(hasattr(module, c) for c in _PAIR_CHILDREN[1::2]):
             continue
         if hasattr(module.q_a_layernorm, "_k3fusion_prefetch"):
@@ -264,3 +275,148 @@ def patch_model(model: nn.Module) -> PatchReport:
         prefetch.install()
         report.patched.append(name)
     return report
+
+
+# --------------------------------------------------------------------------------------
+# AttnRes
+# --------------------------------------------------------------------------------------
+
+
+def attn_res(
+    prefix: torch.Tensor,
+    blocks: torch.Tensor,
+    num_blocks: int,
+    norm_w: torch.Tensor,
+    proj_w: torch.Tensor,
+    eps: float,
+    delta: torch.Tensor | None = None,
+    block_write_idx: int = -1,
+    out_norm_w: torch.Tensor | None = None,
+    out_eps: float = 1e-6,
+    out_weight_in_fp32: bool = False,
+) -> torch.Tensor:
+    """One fused AttnRes step with the spec's in-place effects (``k3fusion.reference.attn_res``):
+    ``prefix`` is updated in place when ``delta`` is given and ``blocks[:, block_write_idx]``
+    is written. Runs the same op (and launch heuristics) as the compiled path."""
+    return torch.ops.k3fusion.attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                                        block_write_idx, out_norm_w, out_eps, out_weight_in_fp32)
+
+
+@dataclass(frozen=True)
+class AttnResSpec:
+    """What a ``KimiK3AttnRes``-like module computes: key-norm weight/eps and the query."""
+
+    norm_w: torch.Tensor
+    eps: float
+    proj_w: torch.Tensor
+
+
+@torch.no_grad()
+def attn_res_spec(res: nn.Module) -> AttnResSpec | None:
+    """The module's AttnRes parameters, or None if it is not the standard AttnRes mix.
+
+    Standard: a ``norm`` child of the standard RMSNorm kind (:func:`rms_norm_spec`), a
+    ``proj`` ``Linear(H, 1)`` without bias, and ``forward(sources [..., S, H])`` that
+    computes the reference mix -- verified on a probe, to within the rounding of a
+    module that keeps keys and mix in its own dtype.
+    """
+    norm, proj = getattr(res, "norm", None), getattr(res, "proj", None)
+    if not isinstance(norm, nn.Module) or not isinstance(proj, nn.Linear):
+        return None
+    spec = rms_norm_spec(norm)
+    if spec is None or proj.bias is not None or proj.weight.shape != (1, spec.weight.shape[0]):
+        return None
+    h = spec.weight.shape[0]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(4, 3, h, generator=gen).to(spec.weight.device, spec.weight.dtype)
+    try:
+        got = res(probe)
+    except Exception:
+        return None
+    prefix, blocks = probe[:, -1].clone(), probe[:, :-1].clone()
+    want = reference.attn_res(prefix, blocks, 2, spec.weight, proj.weight.view(-1), spec.eps)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return None
+    # A model-dtype module rounds keys, logits and the mix: a few ulps of its dtype.
+    tol = 4 * torch.finfo(want.dtype).eps * float(want.abs().max()) + 1e-6
+    if not float((got.float() - want.float()).abs().max()) <= tol:
+        return None
+    return AttnResSpec(spec.weight, spec.eps, proj.weight)
+
+
+class _FusedAttnResStep:
+    """Replaces a module's ``apply_attn_res(prefix, bank, res, num_blocks, *, delta,
+    output_norm, block_write_idx) -> (out, prefix, bank)`` (the K3 contract) with the
+    fused kernel; falls back to the original under torch.compile or for non-standard
+    modules, so results never depend on what could be fused.
+    """
+
+    def __init__(self, original) -> None:
+        self.original = original
+        self._specs: dict[int, object] = {}
+        self._stacked: tuple[tuple, torch.Tensor] | None = None
+
+    def _spec(self, module: nn.Module | None, fn):
+        if module is None:
+            return None
+        key = id(module)
+        if key not in self._specs:
+            self._specs[key] = fn(module) or False
+        return self._specs[key]
+
+    def _stack(self, blocks: list[torch.Tensor], prefix: torch.Tensor) -> torch.Tensor:
+        """The list bank's blocks as one [..., n, H] tensor, reused while they are unchanged."""
+        if not blocks:
+            return prefix.unsqueeze(-2)  # nothing is read from it
+        key = tuple((b.data_ptr(), b._version, tuple(b.shape)) for b in blocks)
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = (key, torch.stack(blocks, dim=-2))
+        return self._stacked[1]
+
+    def __call__(self, prefix, bank, res, num_blocks, *, delta=None, output_norm=None,
+                 block_write_idx=-1):
+        res_spec = self._spec(res, attn_res_spec)
+        out_spec = self._spec(output_norm, rms_norm_spec)
+        if (torch.compiler.is_compiling() or not res_spec
+                or (output_norm is not None and not out_spec)):
+            return self.original(prefix, bank, res, num_blocks, delta=delta,
+                                 output_norm=output_norm, block_write_idx=block_write_idx)
+        out_w, out_eps, out_fp32 = ((out_spec.weight, out_spec.eps, out_spec.weight_in_fp32)
+                                    if out_spec else (None, 1e-6, False))
+        norm_w, eps, proj_w = res_spec.norm_w, res_spec.eps, res_spec.proj_w.view(-1)
+        if isinstance(bank, torch.Tensor) and delta is None:
+            # The kernel writes the block in place; the prefix is not modified.
+            out = torch.ops.k3fusion.attn_res_(prefix, bank, num_blocks, norm_w, proj_w, eps,
+                                               None, block_write_idx, out_w, out_eps, out_fp32)
+            return out, prefix, bank
+        # A delta makes a new prefix (the caller's tensor may be referenced elsewhere,
+        # e.g. as a block of a list bank): the functional op returns it.
+        blocks = self._stack(bank[:num_blocks], prefix) if isinstance(bank, list) else bank
+        res_out = torch.ops.k3fusion.attn_res(prefix, blocks, num_blocks, norm_w, proj_w, eps,
+                                              delta, out_w, out_eps, out_fp32)
+        out = res_out[0]
+        if delta is not None:
+            prefix = res_out[1]
+        if block_write_idx >= 0:
+            if isinstance(bank, list):
+                bank = bank + [prefix]
+            else:
+                bank[..., block_write_idx, :] = prefix
+        return out, prefix, bank
+
+
+def _has_attn_res_child(module: nn.Module) -> bool:
+    """A direct child shaped like an AttnRes module (a ``norm`` and a ``Linear(H, 1)``)."""
+    return any(isinstance(getattr(c, "norm", None), nn.Module)
+               and isinstance(getattr(c, "proj", None), nn.Linear)
+               and c.proj.out_features == 1 for c in module.children())
+
+
+def _patch_attn_res(module: nn.Module) -> str | None:
+    """Swap ``module.apply_attn_res`` for the fused step; None, or why it was skipped."""
+    if getattr(module, "_k3fusion_attn_res", None) is not None:
+        return "already patched"
+    step = _FusedAttnResStep(module.apply_attn_res)
+    module.apply_attn_res = step
+    module._k3fusion_attn_res = step
+    return None
