@@ -15,14 +15,21 @@ transformers, vLLM ``forward_native``, fp32-weight, ``x * x``, and
 ``F.rms_norm``); they compute the same function, and the passes have to match
 all of them.
 
-Planned extensions (the config switches exist already, the model refuses them
-until they land):
+``attn_res=True`` switches on Block Attention Residuals (K3's AttnRes):
+instead of the fixed ``h = h + f(norm(h))`` accumulation, every sublayer input
+is a softmax mix over the completed block representations (``bank``) and the
+current block's running sum (``prefix``), keyed by ``w . RMSNorm_g(v)`` with a
+learned per-sublayer pseudo-query ``w`` and key norm ``g``
+(:class:`KimiK3AttnRes`), followed by the usual pre-norm.  One block is
+``attn_res_block_size`` layers; the embedding is the first block.  The bank is
+either a Python list that grows (``attn_res_bank="list"``) or a preallocated
+``[B, S, max_blocks, H]`` tensor written in place (``"tensor"``).  Each step is
+:meth:`KimiK3DecoderLayer.apply_attn_res` (the contract of
+``k3fusion.reference.attn_res``), a method so an eager patch can swap it.
 
-* ``attn_res`` -- attention residuals: instead of the fixed
-  ``h = h + f(norm(h))`` accumulation, a layer's input becomes a learned,
-  softmax-weighted mix over earlier (block-summarized, ``attn_res_block_size``
-  layers per block) outputs.  It plugs into the residual adds in
-  ``KimiK3DecoderLayer.forward`` and the layer loop in ``KimiK3Model.forward``.
+Planned extension (the config switch exists already, the model refuses it
+until it lands):
+
 * ``latent_moe`` -- a mixture of experts that runs in a down-projected latent
   space.  It replaces ``KimiK3DecoderLayer.mlp`` (``KimiK3MLP``).
 """
@@ -44,10 +51,16 @@ __all__ = [
     "KimiK3RMSNorm",
     "KimiK3Attention",
     "KimiK3MLP",
+    "KimiK3AttnRes",
     "KimiK3DecoderLayer",
     "KimiK3Model",
     "KimiK3ForCausalLM",
+    "ATTN_RES_BANKS",
+    "ATTN_RES_PRECISIONS",
+    "apply_attn_res",
+    "attn_res_max_blocks",
     "count_mla_layers",
+    "count_attn_res_sites",
 ]
 
 
@@ -111,6 +124,17 @@ NORM_STYLES: tuple[str, ...] = tuple(_NORM_FNS)
 
 _ALLOWED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
+# Init std of the AttnRes pseudo-query is this / sqrt(hidden_size).
+_ATTN_RES_QUERY_STD = 1.0
+
+# AttnRes block bank: a list that grows by one tensor per block, or one
+# preallocated [B, S, max_blocks, H] tensor written in place.
+ATTN_RES_BANKS: tuple[str, ...] = ("list", "tensor")
+# "model": the mix runs in the model dtype (softmax in fp32), as module code
+# usually is; "fp32": key norm, logits, softmax and mix all in fp32, one
+# rounding at the end.
+ATTN_RES_PRECISIONS: tuple[str, ...] = ("model", "fp32")
+
 
 # --------------------------------------------------------------------------
 # Config
@@ -132,10 +156,14 @@ class KimiK3Config:
     rms_norm_eps: float = 1e-6
     norm_style: str = "hf"
     dtype: torch.dtype = torch.bfloat16
-    # Not implemented yet; the model raises NotImplementedError if set.
+    # Block Attention Residuals (see the module docstring).
     attn_res: bool = False
+    # Not implemented yet; the model raises NotImplementedError if set.
     latent_moe: bool = False
+    # Layers per AttnRes block (K3: 12); the embedding is block 0.
     attn_res_block_size: int = 12
+    attn_res_bank: str = "list"
+    attn_res_precision: str = "model"
 
     _POSITIVE_INT_FIELDS = (
         "vocab_size",
@@ -171,10 +199,25 @@ class KimiK3Config:
         for name in ("attn_res", "latent_moe"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KimiK3Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.attn_res_bank not in ATTN_RES_BANKS:
+            raise ValueError(
+                f"KimiK3Config.attn_res_bank must be one of {ATTN_RES_BANKS}, "
+                f"got {self.attn_res_bank!r}"
+            )
+        if self.attn_res_precision not in ATTN_RES_PRECISIONS:
+            raise ValueError(
+                f"KimiK3Config.attn_res_precision must be one of {ATTN_RES_PRECISIONS}, "
+                f"got {self.attn_res_precision!r}"
+            )
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attn_res_max_blocks(self) -> int:
+        """Blocks in the AttnRes bank: ceil(num_layers / attn_res_block_size)."""
+        return attn_res_max_blocks(self.num_layers, self.attn_res_block_size)
 
     def replace(self, **changes: object) -> KimiK3Config:
         """Copy with some fields changed (re-validated)."""
@@ -219,13 +262,14 @@ class KimiK3Config:
         return cls(**fields)
 
 
+def attn_res_max_blocks(num_layers: int, block_size: int) -> int:
+    """Number of block-write layers (``layer_idx % block_size == 0``) = ceil(L / bs)."""
+    return -(-num_layers // block_size)
+
+
 def _check_supported(config: KimiK3Config) -> None:
-    # The switches exist so configs/CLIs can already carry them, but silently
-    # building a plain model for them would give wrong numerics.
-    if config.attn_res:
-        raise NotImplementedError(
-            "KimiK3Config.attn_res=True (attention residuals) lands in a later release"
-        )
+    # The switch exists so configs/CLIs can already carry it, but silently
+    # building a plain model for it would give wrong numerics.
     if config.latent_moe:
         raise NotImplementedError(
             "KimiK3Config.latent_moe=True (latent mixture of experts) lands in a later release"
@@ -326,22 +370,178 @@ class KimiK3MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class KimiK3AttnRes(nn.Module):
+    """One AttnRes site: a softmax mix over its sources, keyed by ``w . RMSNorm_g(v)``.
+
+    ``norm`` is the key norm ``g`` (the model's RMSNorm style); ``proj`` holds the
+    learned pseudo-query ``w`` as a ``Linear(H, 1, bias=False)`` weight.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        norm_style: str = "hf",
+        precision: str = "model",
+    ) -> None:
+        super().__init__()
+        if precision not in ATTN_RES_PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {ATTN_RES_PRECISIONS}, got {precision!r}"
+            )
+        self.norm = KimiK3RMSNorm(hidden_size, eps, norm_style)
+        self.proj = nn.Linear(hidden_size, 1, bias=False)
+        self.precision = precision
+
+    def forward(self, sources: Tensor) -> Tensor:
+        """sources [..., S, H] (source dim at -2) -> mixed [..., H] in sources' dtype."""
+        if self.precision == "fp32":
+            s32 = sources.float()
+            norm = self.norm
+            keys = _NORM_FNS[norm.norm_style](s32, norm.weight.float(), norm.variance_epsilon)
+            logits = F.linear(keys, self.proj.weight.float()).squeeze(-1)
+            weights = logits.softmax(-1)
+            mixed = (weights.unsqueeze(-1) * s32).sum(-2)
+            return mixed.to(sources.dtype)
+        keys = self.norm(sources)
+        logits = self.proj(keys).squeeze(-1)
+        weights = logits.float().softmax(-1)
+        return (weights.to(sources.dtype).unsqueeze(-1) * sources).sum(-2)
+
+    def extra_repr(self) -> str:
+        return f"precision={self.precision!r}"
+
+
+AttnResBank = list[Tensor] | Tensor
+
+
+def apply_attn_res(
+    prefix: Tensor,
+    bank: AttnResBank,
+    res: KimiK3AttnRes,
+    num_blocks: int,
+    *,
+    delta: Tensor | None = None,
+    output_norm: nn.Module | None = None,
+    block_write_idx: int = -1,
+) -> tuple[Tensor, Tensor, AttnResBank]:
+    """One AttnRes step, in plain torch -> ``(out, prefix, bank)``.
+
+    1. ``prefix = prefix + delta`` (model dtype add);
+    2. ``block_write_idx >= 0``: the prefix becomes a completed block -- a list bank
+       returns a *new* list (the caller's list is not mutated), a tensor bank
+       ``[..., max_blocks, H]`` is written in place at ``block_write_idx``;
+    3. sources: the first ``num_blocks`` blocks, then the prefix;
+    4. ``out = res(sources)``;  5. ``out = output_norm(out)`` if given.
+    """
+    if delta is not None:
+        prefix = prefix + delta
+    is_list = isinstance(bank, list)
+    if block_write_idx >= 0:
+        if is_list:
+            bank = bank + [prefix]
+        else:
+            bank[..., block_write_idx, :] = prefix
+    if is_list:
+        sources = torch.stack(bank[:num_blocks] + [prefix], dim=-2)
+    else:
+        sources = torch.cat([bank[..., :num_blocks, :], prefix.unsqueeze(-2)], dim=-2)
+    out = res(sources)
+    if output_norm is not None:
+        out = output_norm(out)
+    return out, prefix, bank
+
+
 class KimiK3DecoderLayer(nn.Module):
-    def __init__(self, config: KimiK3Config) -> None:
+    def __init__(self, config: KimiK3Config, layer_idx: int = 0) -> None:
         super().__init__()
         _check_supported(config)
         c = config
+        self.layer_idx = layer_idx
         self.input_layernorm = KimiK3RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_style)
         self.self_attn = KimiK3Attention(c)
         self.post_attention_layernorm = KimiK3RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_style)
         # latent_moe will replace this module.
         self.mlp = KimiK3MLP(c)
+        self.use_attn_res = c.attn_res
+        if c.attn_res:
+            bs = c.attn_res_block_size
+            self.is_block_write_layer = layer_idx % bs == 0
+            # Block-write layers before this one: ceil(layer_idx / bs).
+            self.prev_valid_blocks = -(-layer_idx // bs)
+            # Where this layer appends its block (used only if it writes).
+            self.block_write_idx = self.prev_valid_blocks
+            self.attn_res = KimiK3AttnRes(
+                c.hidden_size, c.rms_norm_eps, c.norm_style, c.attn_res_precision
+            )
+            self.mlp_res = KimiK3AttnRes(
+                c.hidden_size, c.rms_norm_eps, c.norm_style, c.attn_res_precision
+            )
 
-    def forward(self, hidden_states: Tensor) -> Tensor:
-        # Plain pre-norm residuals; attn_res will replace these two adds.
+    def apply_attn_res(
+        self,
+        prefix: Tensor,
+        bank: AttnResBank,
+        res: KimiK3AttnRes,
+        num_blocks: int,
+        *,
+        delta: Tensor | None = None,
+        output_norm: nn.Module | None = None,
+        block_write_idx: int = -1,
+    ) -> tuple[Tensor, Tensor, AttnResBank]:
+        """One AttnRes step (see :func:`apply_attn_res`); the eager patch swaps this."""
+        return apply_attn_res(
+            prefix,
+            bank,
+            res,
+            num_blocks,
+            delta=delta,
+            output_norm=output_norm,
+            block_write_idx=block_write_idx,
+        )
+
+    def forward(
+        self, hidden_states: Tensor, bank: AttnResBank | None = None
+    ) -> Tensor | tuple[Tensor, AttnResBank]:
+        """Plain: hidden [B, S, H] -> hidden.  attn_res: (prefix, bank) -> (prefix, bank)."""
+        if self.use_attn_res:
+            if bank is None:
+                raise ValueError("an attn_res decoder layer needs the block bank")
+            return self.forward_attn_res(hidden_states, bank)
+        # Plain pre-norm residuals.
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states))
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states
+
+    def forward_attn_res(
+        self, prefix: Tensor, bank: AttnResBank
+    ) -> tuple[Tensor, AttnResBank]:
+        write = self.is_block_write_layer
+        h, prefix, bank = self.apply_attn_res(
+            prefix,
+            bank,
+            self.attn_res,
+            self.prev_valid_blocks,
+            output_norm=self.input_layernorm,
+            block_write_idx=self.block_write_idx if write else -1,
+        )
+        h = self.self_attn(h)
+        if write:  # block closed: the prefix restarts from the attention output
+            prefix, delta = h, None
+        else:
+            delta = h
+        mlp_blocks = self.prev_valid_blocks + (1 if write else 0)
+        h, prefix, bank = self.apply_attn_res(
+            prefix,
+            bank,
+            self.mlp_res,
+            mlp_blocks,
+            delta=delta,
+            output_norm=self.post_attention_layernorm,
+        )
+        h = self.mlp(h)
+        prefix = prefix + h
+        return prefix, bank
 
 
 class KimiK3Model(nn.Module):
@@ -350,13 +550,60 @@ class KimiK3Model(nn.Module):
         _check_supported(config)
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(KimiK3DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            KimiK3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_layers)
+        )
         self.norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style)
+        if config.attn_res:
+            # The final mix over all blocks + the last prefix (no output norm of
+            # its own: ``norm`` follows).
+            self.max_blocks = config.attn_res_max_blocks
+            self.final_res = KimiK3AttnRes(
+                config.hidden_size, config.rms_norm_eps, config.norm_style,
+                config.attn_res_precision,
+            )
+
+    def apply_attn_res(
+        self,
+        prefix: Tensor,
+        bank: AttnResBank,
+        res: KimiK3AttnRes,
+        num_blocks: int,
+        *,
+        delta: Tensor | None = None,
+        output_norm: nn.Module | None = None,
+        block_write_idx: int = -1,
+    ) -> tuple[Tensor, Tensor, AttnResBank]:
+        """The final AttnRes step (see :func:`apply_attn_res`); swappable like the layers'."""
+        return apply_attn_res(
+            prefix,
+            bank,
+            res,
+            num_blocks,
+            delta=delta,
+            output_norm=output_norm,
+            block_write_idx=block_write_idx,
+        )
 
     def forward(self, input_ids: Tensor) -> Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        if not self.config.attn_res:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states)
+            return self.norm(hidden_states)
+
+        prefix = hidden_states
+        bank: AttnResBank
+        if self.config.attn_res_bank == "list":
+            bank = []
+        else:
+            bsz, seq, hidden = prefix.shape
+            bank = torch.zeros(
+                bsz, seq, self.max_blocks, hidden, dtype=prefix.dtype, device=prefix.device
+            )
         for layer in self.layers:
-            hidden_states = layer(hidden_states)
+            prefix, bank = layer(prefix, bank)
+        hidden_states, _, _ = self.apply_attn_res(prefix, bank, self.final_res, self.max_blocks)
         return self.norm(hidden_states)
 
 
@@ -386,10 +633,23 @@ class KimiK3ForCausalLM(nn.Module):
                 # Not ones, so a pass that drops or misplaces the weight shows up.
                 w = module.weight
                 w.copy_(1.0 + 0.1 * torch.randn(w.shape, generator=gen))
+        # AttnRes pseudo-queries (after the loop, which gave them the generic
+        # 0.02 init; models without attn_res draw exactly as before).  The keys
+        # are RMS-normalized (|key| ~ sqrt(H)), so std c/sqrt(H) gives logits of
+        # std ~c across sources: 0.02 would make every softmax near-uniform.
+        for module in self.modules():
+            if isinstance(module, KimiK3AttnRes):
+                w = module.proj.weight
+                std = _ATTN_RES_QUERY_STD / math.sqrt(w.shape[-1])
+                w.copy_(torch.randn(w.shape, generator=gen) * std)
 
     @property
     def mla_layers(self) -> int:
         return count_mla_layers(self)
+
+    @property
+    def attn_res_sites(self) -> int:
+        return count_attn_res_sites(self)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """input_ids [B, S] (int64) -> logits [B, S, vocab_size] in config.dtype."""
@@ -399,3 +659,8 @@ class KimiK3ForCausalLM(nn.Module):
 def count_mla_layers(model: nn.Module) -> int:
     """Number of MLA attention modules (each owns one q/kv norm pair)."""
     return sum(isinstance(m, KimiK3Attention) for m in model.modules())
+
+
+def count_attn_res_sites(model: nn.Module) -> int:
+    """Number of AttnRes sites: 2 per layer + the final one (0 without attn_res)."""
+    return sum(isinstance(m, KimiK3AttnRes) for m in model.modules())
