@@ -100,11 +100,11 @@ def fake_call(target, args: tuple):
     """Run ``target`` on the traced fake values of ``args`` to get the new node's meta."""
     from torch._guards import detect_fake_mode
 
-    def unwrap(a):
-        return a.meta["val"] if isinstance(a, Node) else a
+    from torch.fx.node import map_arg
+    from torch.utils._pytree import tree_leaves
 
-    vals = tuple(unwrap(a) for a in args)
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    vals = map_arg(args, lambda n: n.meta["val"])
+    mode = detect_fake_mode([v for v in tree_leaves(vals) if isinstance(v, torch.Tensor)])
     if mode is None:
         return target(*vals)
     with mode:

@@ -200,6 +200,10 @@ def _source_layout(sources: Node) -> tuple[Node, list[Node] | None, Node | None,
     width = val(sources).shape[-1]
     if is_op(sources, aten.unsqueeze.default) and _dim_is(sources, sources.args[1], -2):
         return sources.args[0], [], None, 0, [sources]  # a single source: the prefix
+    if (is_op(sources, *_VIEWS) and not is_op(sources.args[0], aten.cat.default)
+            and val(sources).shape[-2] == 1
+            and val(sources.args[0]).shape == val(sources).shape[:-2] + (width,)):
+        return sources.args[0], [], None, 0, [sources]  # stack([prefix], -2) as a view
     if is_op(sources, *_VIEWS) and is_op(sources.args[0], aten.cat.default):
         # stack(items, -2) lowers to cat(items, -1) viewed as [..., S, H]
         cat = sources.args[0]
@@ -217,12 +221,15 @@ def _source_layout(sources: Node) -> tuple[Node, list[Node] | None, Node | None,
         blocks, last = parts
         if not (is_op(last, aten.unsqueeze.default) and _dim_is(last, last.args[1], -2)):
             raise NoMatch("last source is not the prefix")
-        if not (is_op(blocks, aten.slice.Tensor) and _dim_is(blocks, blocks.args[1], -2)
-                and blocks.args[2] == 0):
-            raise NoMatch("blocks are not a leading slice of a bank")
-        n = val(blocks).shape[-2]
-        bank = _older_bank_version(blocks.args[0], n)
-        return last.args[0], None, bank, int(n), [sources, blocks, last]
+        n = int(val(blocks).shape[-2])
+        if is_op(blocks, aten.slice.Tensor):
+            if not (_dim_is(blocks, blocks.args[1], -2) and blocks.args[2] == 0):
+                raise NoMatch("blocks are not a leading slice of a bank")
+            bank, nodes = blocks.args[0], [sources, blocks, last]
+        else:  # the slice of the whole bank was simplified away
+            bank, nodes = blocks, [sources, last]
+        bank = _older_bank_version(bank, n)
+        return last.args[0], None, bank, n, nodes
     raise NoMatch("sources are neither a stack of blocks and prefix nor a bank slice + prefix")
 
 
