@@ -32,6 +32,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--norm-style", default="hf",
                    help="RMSNorm formulation of the model (hf, vllm, weight_fp32, square, torch)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-attn-res", dest="attn_res", action="store_false",
+                   help="build the model with plain residuals instead of Block AttnRes")
+    p.add_argument("--bank", choices=("list", "tensor"), default="list",
+                   help="how the AttnRes model keeps its completed blocks")
+    p.add_argument("--block-size", type=int, default=1,
+                   help="AttnRes block size in layers (1: a block at every layer)")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.batch < 1:
         p.error("--tokens and --batch must be >= 1")
@@ -52,7 +58,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _DTYPES[args.dtype]
-    config = KimiK3Config.tiny(dtype=dtype, norm_style=args.norm_style)
+    config = KimiK3Config.tiny(dtype=dtype, norm_style=args.norm_style, attn_res=args.attn_res,
+                               attn_res_bank=args.bank, attn_res_block_size=args.block_size)
     model = KimiK3ForCausalLM(config, seed=args.seed).to(device).eval()
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.tokens), generator=gen).to(device)
@@ -78,16 +85,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        for name, fn in (("eager", model), ("inductor", default), ("k3fusion", fused))}
 
     tol = _REL_TOL[dtype]
-    fusions = [{
-        "fusion": "qkv_rmsnorm",
-        "sites": model.mla_layers,
-        "matches": counts.get("qkv_rmsnorm", 0),
-    }]
+    sites = {"qkv_rmsnorm": model.mla_layers, "attn_res": model.attn_res_sites}
+    fusions = [{"fusion": name, "sites": n, "matches": counts.get(name, 0)}
+               for name, n in sites.items()]
     errors = {"inductor": _max_rel_err(default_out, eager_out),
               "k3fusion": _max_rel_err(fused_out, eager_out)}
     ok = all(f["matches"] == f["sites"] for f in fusions) and all(e <= tol for e in errors.values())
     return {
-        "model": "KimiK3ForCausalLM(tiny)", "device": str(device), "dtype": args.dtype,
+        "model": f"KimiK3ForCausalLM(tiny{', attn_res ' + args.bank + ' bank' if args.attn_res else ''})",
+        "device": str(device), "dtype": args.dtype,
         "norm_style": args.norm_style, "input_shape": list(ids.shape),
         "torch": torch.__version__, "k3fusion": k3fusion.__version__,
         "fusions": fusions, "max_rel_err_vs_eager": errors, "tolerance": tol,
