@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
@@ -91,15 +92,22 @@ class K3FusionPass(CustomGraphPass):
         return hashlib.sha256(key.encode()).hexdigest()
 
 
-class ComposedPass(CustomGraphPass):
+# torch >= 2.12 also has inference-aware passes, called with ``is_inference``.
+_InferenceAware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+
+
+class ComposedPass(_InferenceAware or CustomGraphPass):
     """Run several post-grad passes in order (a user's own pass first)."""
 
     def __init__(self, *passes) -> None:
         self.passes = passes
 
-    def __call__(self, graph: Graph) -> None:
+    def __call__(self, graph: Graph, is_inference: bool = True) -> None:
         for p in self.passes:
-            p(graph)
+            if _InferenceAware is not None and isinstance(p, _InferenceAware):
+                p(graph, is_inference=is_inference)
+            else:
+                p(graph)
 
     def uuid(self):
         ids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
@@ -114,8 +122,15 @@ def _contains_k3fusion(p) -> bool:
 
 
 def compose_with(existing, ours: K3FusionPass | None = None):
-    """``existing`` (the user's ``post_grad_custom_post_pass``, or None) followed by ours."""
+    """``existing`` (the user's ``post_grad_custom_post_pass``, or None) followed by ours.
+
+    A list or tuple of passes (torch >= 2.12 accepts one) gets ours appended.
+    """
+    ours = ours if ours is not None else K3FusionPass()
+    if isinstance(existing, (list, tuple)):
+        if any(_contains_k3fusion(p) for p in existing):
+            return existing
+        return [*existing, ours]
     if existing is not None and _contains_k3fusion(existing):
         return existing
-    ours = ours if ours is not None else K3FusionPass()
     return ours if existing is None else ComposedPass(existing, ours)

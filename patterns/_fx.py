@@ -12,7 +12,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 __all__ = [
-    "NoMatch", "aten", "prims", "is_op", "val", "dtype_of", "operands", "only_user",
+    "NoMatch", "aten", "prims", "is_op", "strip_casts", "matmul_operands", "val", "dtype_of", "operands", "only_user",
     "is_graph_input", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS",
 ]
@@ -56,6 +56,45 @@ def operands(node: Node, other: Node) -> object:
     if b is other and a is not other:
         return a
     raise NoMatch(f"{node.name} does not read {other.name} exactly once")
+
+
+def strip_casts(node: object) -> object:
+    while is_op(node, prims.convert_element_type.default):
+        node = node.args[0]
+    return node
+
+
+def matmul_operands(node: object) -> tuple[Node, Node] | None:
+    """``(a, b)`` when ``node`` computes ``a @ b`` (2-D), else None.
+
+    Besides ``mm``/``addmm``, Inductor's own decompositions of skinny products:
+    ``(a.unsqueeze(2) * b.unsqueeze(0)).sum(1)`` on GPUs under coordinate-descent
+    tuning (max-autotune), and ``sum(a.squeeze(0) * b.squeeze(-1), 0, True).unsqueeze(0)``
+    for one row on CPU -- with the fp32 upcasts ``pw_cast_for_opmath`` adds around them.
+    """
+    node = strip_casts(node)
+    if is_op(node, aten.mm.default):
+        return node.args[0], node.args[1]
+    if is_op(node, aten.addmm.default):
+        return node.args[1], node.args[2]
+    if is_op(node, aten.unsqueeze.default) and node.args[1] == 0:  # CPU one-row form
+        total = node.args[0]
+        if is_op(total, aten.sum.dim_IntList) and list(total.args[1]) == [0]:
+            prod = total.args[0]
+            if is_op(prod, aten.mul.Tensor):
+                a, b = (strip_casts(x) for x in prod.args)
+                if (is_op(a, aten.squeeze.dim) and a.args[1] == 0
+                        and is_op(b, aten.squeeze.dim) and b.args[1] == -1):
+                    return a.args[0], b.args[0]
+        return None
+    if is_op(node, aten.sum.dim_IntList) and list(node.args[1]) == [1]:
+        prod = node.args[0]
+        if is_op(prod, aten.mul.Tensor):
+            a, b = (strip_casts(x) for x in prod.args)
+            if (is_op(a, aten.unsqueeze.default) and a.args[1] == 2
+                    and is_op(b, aten.unsqueeze.default) and b.args[1] == 0):
+                return strip_casts(a.args[0]), strip_casts(b.args[0])
+    return None
 
 
 def only_user(node: Node) -> Node:

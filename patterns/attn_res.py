@@ -30,8 +30,9 @@ import torch
 from torch.fx import Graph, Node
 
 from ._fx import (NoMatch, aten, dtype_of, erase_unused, external_users, fake_call,
-                  hoist_before, is_graph_input, is_op, only_user, operands, prims, val)
-from .rms_norm import RMSNormMatch, inverse_rms, parameter_weight, upcast_input
+                  hoist_before, is_graph_input, is_op, matmul_operands, only_user, operands,
+                  prims, val)
+from .rms_norm import RMSNormMatch, inverse_rms, parameter_weight, same_input, upcast_input
 
 __all__ = ["FUSION_NAME", "AttnResSite", "match_attn_res", "fuse_attn_res"]
 
@@ -102,17 +103,33 @@ def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     view = logits.args[0]
     if not (is_op(view, *_VIEWS) and val(view).shape[-1] == 1):
         raise NoMatch("projection output is not [..., S, 1]")
-    mm = view.args[0]
-    if not is_op(mm, aten.mm.default):
+    product = matmul_operands(view.args[0])
+    if product is None:
         raise NoMatch("projection is not a matrix multiply")
-    flat_keys, w_t = mm.args
+    flat_keys, w_t = product
     if not (is_op(w_t, aten.permute.default) and list(w_t.args[1]) == [1, 0]):
         raise NoMatch("projection weight is not transposed")
     proj_w, w_nodes = parameter_weight_2d(w_t.args[0])
     if not is_op(flat_keys, *_VIEWS):
         raise NoMatch("keys are not flattened for the projection")
-    nodes += [logits, view, mm, w_t, flat_keys, *w_nodes]
+    # Everything between the keys and the logits belongs to the site (a decomposed
+    # product adds unsqueezes, casts and a sum around the multiply).
+    nodes += [logits, view, w_t, flat_keys, *w_nodes] + _between({flat_keys, w_t}, view.args[0])
     return flat_keys.args[0], proj_w, nodes
+
+
+def _between(stops: set[Node], end: Node) -> list[Node]:
+    """``end`` and what it is computed from, walking back no further than ``stops``."""
+    found, stack = [], [end]
+    while stack:
+        n = stack.pop()
+        if n in stops or n in found:
+            continue
+        if n.op != "call_function":
+            raise NoMatch(f"projection reads {n.name} besides the keys and the weight")
+        found.append(n)
+        stack.extend(n.all_input_nodes)
+    return found
 
 
 def parameter_weight_2d(node: object) -> tuple[Node, list[Node]]:
@@ -152,8 +169,7 @@ def _key_norm(keys: Node) -> tuple[Node, Node, float | Node, Node, list[Node]]:
         if rsqrt is None:
             continue
         x32, eps, rms_nodes = inverse_rms(rsqrt)
-        if operands(inner, rsqrt) is not x32:
-            raise NoMatch("normalized keys are not x * rsqrt(...)")
+        rms_nodes += same_input(operands(inner, rsqrt), x32)
         norm_w, w_nodes = parameter_weight(w_side, allow_upcast=True)
         sources, upcast = upcast_input(x32)
         nodes += [inner, *rms_nodes, *w_nodes, *upcast] + ([cast] if cast is not None else [])
@@ -286,7 +302,9 @@ class _BlockStacks:
 
     def get(self, blocks: list[Node], prefix: Node, point: Node) -> Node:
         key = tuple(blocks)
-        if key not in self.stacks:
+        if key in self.stacks:
+            hoist_before(self.graph, [self.stacks[key]], point)  # no-op when already earlier
+        else:
             g = self.graph
             with g.inserting_before(point):
                 if blocks:
@@ -327,6 +345,25 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
             misses.append(f"softmax {div.name}: result unused")
             continue
         point = min(readers, key=order.__getitem__)
+        eps, eps_t = _eps_args(site.eps)
+        if out_norm is not None:
+            out_eps, out_eps_t = _eps_args(out_norm.eps)
+            out_w, out_fp32 = out_norm.weight, out_norm.weight_in_fp32
+        else:
+            out_eps, out_eps_t, out_w, out_fp32 = 1e-6, None, None, False
+        width = val(site.proj_w).shape[-1]
+
+        def op_args(bank, proj):
+            return (prefix_in, bank, site.num_blocks, site.norm_w, proj, eps, delta, out_w,
+                    out_eps, out_fp32, eps_t, out_eps_t)
+
+        try:  # the op's own checks (dtypes, strides, devices) before the graph is touched
+            fake_bank = (fake_call(aten.unsqueeze.default, (prefix_in, -2)) if site.blocks is not None
+                         else site.bank)
+            fake_call(op, op_args(fake_bank, fake_call(aten.view.default, (site.proj_w, [width]))))
+        except (TypeError, ValueError) as e:
+            misses.append(f"softmax {div.name}: the fused op refuses these inputs: {e}")
+            continue
         needed = [prefix_in, site.norm_w, site.proj_w] + ([delta] if delta else [])
         needed += site.blocks if site.blocks is not None else [site.bank]
         try:
@@ -337,18 +374,9 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
 
         bank = (stacks.get(site.blocks, prefix_in, point) if site.blocks is not None
                 else site.bank)
-        eps, eps_t = _eps_args(site.eps)
-        if out_norm is not None:
-            out_eps, out_eps_t = _eps_args(out_norm.eps)
-            out_w, out_fp32 = out_norm.weight, out_norm.weight_in_fp32
-        else:
-            out_eps, out_eps_t, out_w, out_fp32 = 1e-6, None, None, False
         with graph.inserting_before(point):
-            width = val(site.proj_w).shape[-1]
             proj = _call(graph, aten.view.default, (site.proj_w, [width]))
-            args = (prefix_in, bank, site.num_blocks, site.norm_w, proj, eps, delta, out_w,
-                    out_eps, out_fp32, eps_t, out_eps_t)
-            node = _call(graph, op, args)
+            node = _call(graph, op, op_args(bank, proj))
             results = []
             for i, old in enumerate(outputs):
                 r = graph.call_function(operator.getitem, (node, i))

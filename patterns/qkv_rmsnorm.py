@@ -27,14 +27,13 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from ._fx import VIEW_OPS, NoMatch, aten, erase_unused, fake_call, hoist_before, is_op
+from ._fx import (VIEW_OPS, NoMatch, erase_unused, fake_call, hoist_before, is_op,
+                  matmul_operands)
 from .rms_norm import RMSNormMatch
 
 __all__ = ["FUSION_NAME", "REGION_INPUTS", "pairing_source", "pair_qkv_norms", "fuse_qkv_rmsnorm"]
 
 FUSION_NAME = "qkv_rmsnorm"
-
-_MATMULS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0}
 
 
 def _strip_views(node: object) -> object:
@@ -50,8 +49,9 @@ REGION_INPUTS = "region inputs"
 def pairing_source(x: Node) -> object:
     """What ``x`` is computed from, for pairing (see the module docstring)."""
     base = _strip_views(x)
-    if is_op(base, *_MATMULS):
-        return _strip_views(base.args[_MATMULS[base.target]])
+    product = matmul_operands(base)
+    if product is not None:
+        return _strip_views(product[0])
     if isinstance(base, Node) and base.op in ("placeholder", "get_attr"):
         return REGION_INPUTS
     return base
@@ -118,13 +118,17 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
     (eps_a, eps_a_tensor), (eps_b, eps_b_tensor) = eps_args(a), eps_args(b)
     args = (a.x, a.weight, eps_a, b.x, b.weight, eps_b, a.weight_in_fp32, b.weight_in_fp32,
             eps_a_tensor, eps_b_tensor)
+    try:  # the op's own checks (strides, devices...) before the graph is touched
+        fused_val = fake_call(op, args)
+    except (TypeError, ValueError) as e:
+        raise NoMatch(f"the fused op refuses these inputs: {e}") from None
     order = {n: i for i, n in enumerate(graph.nodes)}
     point = min((u for m in (a, b) for u in m.out.users), key=order.__getitem__)
     hoist_before(graph, [a.x, a.weight, b.x, b.weight], point)
     with graph.inserting_before(point):
         fused = graph.call_function(op, args)
         outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(2)]
-    fused.meta["val"] = fake_call(op, args)
+    fused.meta["val"] = fused_val
     for i, (norm, y) in enumerate(zip((a, b), outs)):
         y.meta["val"] = fused.meta["val"][i]
         norm.out.replace_all_uses_with(y)

@@ -40,7 +40,7 @@ from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op
                   operands, prims, val)
 
 __all__ = ["RMSNormMatch", "RMSNormRejection", "find_rms_norms", "match_rms_norm",
-           "inverse_rms", "upcast_input", "parameter_weight"]
+           "inverse_rms", "upcast_input", "parameter_weight", "same_input"]
 
 _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ADD = (aten.add.Tensor, aten.add.Scalar)
@@ -130,6 +130,21 @@ def upcast_input(x32: Node) -> tuple[Node, list[Node]]:
     return x32, []
 
 
+def same_input(operand: object, x32: Node) -> list[Node]:
+    """Check that ``operand`` is the norm's input, as ``x32`` or another spelling of it:
+    the un-upcast input (``x * rsqrt(...)``, T5 style: promotion makes it fp32, exactly),
+    or a second ``x.float()`` of it. Returns the extra nodes to count as the norm's."""
+    if operand is x32:
+        return []
+    x, upcast = upcast_input(x32)
+    if upcast and operand is x:
+        return []
+    if (upcast and is_op(operand, *_CAST) and operand.args[0] is x
+            and operand.args[1] == torch.float32):
+        return [operand]
+    raise NoMatch("rsqrt is not multiplied with the input")
+
+
 def parameter_weight(node: object, *, allow_upcast: bool) -> tuple[Node, list[Node]]:
     """A parameter weight, optionally through an exact ``.float()`` upcast."""
     if allow_upcast and is_op(node, *_CAST) and node.args[1] == torch.float32:
@@ -152,9 +167,9 @@ def match_rms_norm(rsqrt: Node) -> RMSNormMatch:
     x_dtype = dtype_of(x)
 
     normed = only_user(rsqrt)
-    if not is_op(normed, *_MUL) or operands(normed, rsqrt) is not x32:
+    if not is_op(normed, *_MUL):
         raise NoMatch("rsqrt is not multiplied with the input")
-    nodes.append(normed)
+    nodes += same_input(operands(normed, rsqrt), x32) + [normed]
 
     step = only_user(normed)
     if is_op(step, *_CAST):

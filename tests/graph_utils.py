@@ -1,0 +1,276 @@
+"""A fast harness for graph-pass tests: real Inductor up to its post-grad passes, no codegen.
+
+:class:`CaptureBackend` is a dynamo backend that calls Inductor's own ``compile_fx`` (so the
+pre-grad passes, AOT autograd with Inductor's decomposition table, the joint-graph passes and
+the real ``post_grad_passes`` -- which invoke ``config.post_grad_custom_post_pass`` -- all run
+exactly as under ``torch.compile(backend="inductor")``), but hands ``compile_fx`` an
+``inner_compile`` that stops after the post-grad passes: it returns the post-grad graph
+module to be run eagerly instead of generating C++/Triton code. A compile therefore costs
+a fraction of a second, and the graph our pass sees is the graph it sees under real
+Inductor (``tests/test_compile_model.py`` checks that once against a real compile).
+
+What it records, per compiled graph:
+
+* ``before`` / ``after``: copies of the graph right before and right after the pass under
+  test (when the backend installs it as ``post_grad_custom_post_pass``);
+* ``final``: the graph module after every post-grad pass (what Inductor would lower).
+
+Caches: Inductor's FX graph cache and AOT autograd's cache skip custom passes on a hit,
+so :func:`no_compile_caches` turns them off; tests that count matches use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import Counter
+from typing import Any, Callable, Iterable, Iterator
+
+import pytest
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import k3fusion
+from k3fusion.config import FusionConfig
+from k3fusion.pass_manager import K3FusionPass
+from k3fusion.patterns.rms_norm import find_rms_norms
+
+aten = torch.ops.aten
+RSQRT = aten.rsqrt.default
+DUAL = torch.ops.k3fusion.dual_rms_norm.default
+
+__all__ = [
+    "RSQRT", "DUAL", "CaptureBackend", "no_compile_caches", "fresh_state", "compile_capture",
+    "count_op", "nodes_of", "op_histogram", "norm_width", "rsqrt_widths", "norms_by_width",
+    "assert_no_unfused_norm", "graph_code", "assert_close_rounding",
+]
+
+_DEFAULT = object()
+
+
+# --------------------------------------------------------------------------- caches / state
+
+
+@contextlib.contextmanager
+def no_compile_caches() -> Iterator[None]:
+    """Turn off every compile cache that would skip the custom post-grad pass."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False,
+                                   enable_remote_autograd_cache=False):
+        yield
+
+
+@pytest.fixture
+def fresh_state() -> Iterator[None]:
+    """A clean compile state: dynamo reset, counts zeroed, default k3fusion config, no caches,
+    and whatever ``post_grad_custom_post_pass`` / ``install()`` state a test leaves undone."""
+    from torch._inductor import config as inductor_config
+
+    from k3fusion import backend as k3backend
+
+    saved_config = k3fusion.get_config()
+    saved_pass = inductor_config.post_grad_custom_post_pass
+    saved_installed = list(k3backend._previous)
+    torch._dynamo.reset()
+    k3fusion.reset_match_counts()
+    k3fusion.set_config(FusionConfig())
+    try:
+        with no_compile_caches():
+            yield
+    finally:
+        torch._dynamo.reset()
+        k3fusion.reset_match_counts()
+        k3fusion.set_config(saved_config)
+        inductor_config.post_grad_custom_post_pass = saved_pass
+        k3backend._previous[:] = saved_installed
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+class _RecordingPass(CustomGraphPass):
+    """``post_grad_custom_post_pass`` that snapshots the graph around the pass under test."""
+
+    def __init__(self, owner: "CaptureBackend", inner: Callable[[fx.Graph], None] | None):
+        self.owner, self.inner = owner, inner
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.owner.before.append(copy.deepcopy(graph))
+        if self.inner is not None:
+            self.inner(graph)
+        self.owner.after.append(copy.deepcopy(graph))
+
+    def uuid(self) -> None:  # never cacheable: a test harness
+        return None
+
+
+class CaptureBackend:
+    """Dynamo backend: Inductor's passes for real, then run the post-grad graph eagerly.
+
+    ``fusion_pass``: the pass to run as ``post_grad_custom_post_pass`` (default: a fresh
+    :class:`K3FusionPass`; ``None``: no pass, just capture). ``use_config_pass=True`` leaves
+    ``torch._inductor.config.post_grad_custom_post_pass`` alone (for ``install()`` tests);
+    then ``before``/``after`` stay empty and only ``final`` is recorded.
+    """
+
+    def __init__(self, fusion_pass: Any = _DEFAULT, *, use_config_pass: bool = False) -> None:
+        self.fusion_pass = K3FusionPass() if fusion_pass is _DEFAULT else fusion_pass
+        self.use_config_pass = use_config_pass
+        self.before: list[fx.Graph] = []
+        self.after: list[fx.Graph] = []
+        self.final: list[fx.GraphModule] = []
+        self.compiles = 0  # graphs compiled (successfully) through this backend
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict[str, Any] = {"fx_graph_cache": False, "fx_graph_remote_cache": False}
+        if not self.use_config_pass:
+            patches["post_grad_custom_post_pass"] = _RecordingPass(self, self.fusion_pass)
+        with no_compile_caches():
+            compiled = compile_fx(gm, example_inputs, inner_compile=self._inner_compile,
+                                  config_patches=patches)
+        # counted on success only: dynamo may restart an analysis (e.g. when it tensorifies
+        # a Python float under dynamic=True), calling the backend twice for one graph
+        self.compiles += 1
+        return compiled
+
+    def _inner_compile(self, gm: fx.GraphModule, example_inputs, **kwargs):
+        """What ``compile_fx_inner`` does up to (and including) the post-grad passes."""
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._inductor.compile_fx import _recursive_post_grad_passes, fake_tensor_prop
+        from torch._inductor.fx_passes.post_grad import view_to_reshape
+        from torch._inductor.virtualized import V
+
+        view_to_reshape(gm)
+        with torch.no_grad():
+            fake_mode = fake_tensor_prop(gm, example_inputs)
+        with V.set_fake_mode(fake_mode):
+            _recursive_post_grad_passes(gm, is_inference=kwargs.get("is_inference", False))
+        gm.recompile()
+        self.final.append(gm)
+        return make_boxed_func(gm.forward)
+
+    # convenience views on the last compiled graph
+    @property
+    def graph_before(self) -> fx.Graph:
+        assert self.before, "the pass under test never ran (cache hit or no compile?)"
+        return self.before[-1]
+
+    @property
+    def graph_after(self) -> fx.Graph:
+        assert self.after, "the pass under test never ran (cache hit or no compile?)"
+        return self.after[-1]
+
+    @property
+    def graph_final(self) -> fx.Graph:
+        assert self.final, "nothing was compiled"
+        return self.final[-1].graph
+
+
+def compile_capture(fn: Callable, *args, fusion_pass: Any = _DEFAULT, dynamic: bool | None = False,
+                    **kwargs) -> tuple[Any, CaptureBackend]:
+    """Compile ``fn`` with a fresh :class:`CaptureBackend`, run it once on ``args``.
+
+    Returns (output, backend). Runs under ``torch.no_grad()`` (inference graphs, as served).
+    """
+    torch._dynamo.reset()
+    backend = CaptureBackend(fusion_pass)
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(*args, **kwargs)
+    return out, backend
+
+
+# --------------------------------------------------------------------------- graph queries
+
+
+def _matches(node: fx.Node, target) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is target:
+        return True
+    # an OpOverloadPacket matches each of its overloads
+    return isinstance(target, torch._ops.OpOverloadPacket) and \
+        getattr(node.target, "overloadpacket", None) is target
+
+
+def nodes_of(graph: fx.Graph | fx.GraphModule, target) -> list[fx.Node]:
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    return [n for n in graph.nodes if _matches(n, target)]
+
+
+def count_op(graph: fx.Graph | fx.GraphModule, target) -> int:
+    """Number of ``call_function`` nodes calling ``target`` (an overload, or any overload
+    of a packet)."""
+    return len(nodes_of(graph, target))
+
+
+def op_histogram(graph: fx.Graph | fx.GraphModule) -> Counter:
+    """Multiset of call_function targets (as strings): the graph's form, names aside."""
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    return Counter(str(n.target) for n in graph.nodes if n.op == "call_function")
+
+
+def graph_code(graph: fx.Graph | fx.GraphModule) -> str:
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    return graph.python_code("self").src
+
+
+def norm_width(rsqrt: fx.Node) -> int:
+    """Row width of the norm an ``rsqrt`` belongs to: the width of the tensor whose mean
+    of squares it inverts (read off the square/mean chain, whatever consumes it)."""
+    node = rsqrt.args[0]
+    for _ in range(4):  # rsqrt <- add <- mean <- square
+        if _matches(node, aten.mean.dim):
+            return int(node.args[0].meta["val"].shape[-1])
+        node = next((a for a in node.args if isinstance(a, fx.Node)), None)
+        if node is None:
+            break
+    raise AssertionError(f"{rsqrt.name} does not invert a mean of squares")
+
+
+def rsqrt_widths(graph: fx.Graph | fx.GraphModule) -> Counter:
+    """{row width: number of rsqrt-based norms of that width} in ``graph``."""
+    return Counter(norm_width(n) for n in nodes_of(graph, RSQRT))
+
+
+def norms_by_width(graph: fx.Graph | fx.GraphModule) -> Counter:
+    """{row width: RMSNorms the recognizer finds} in ``graph``."""
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    matches, _ = find_rms_norms(graph)
+    return Counter(m.width for m in matches)
+
+
+def assert_no_unfused_norm(graph: fx.Graph | fx.GraphModule, widths: Iterable[int]) -> None:
+    """No rsqrt (so no aten RMSNorm, recognized or not) of these row widths remains."""
+    widths = set(widths)
+    left = {w: n for w, n in rsqrt_widths(graph).items() if w in widths}
+    assert not left, f"unfused rsqrt-based norms left, {{width: count}} = {left}"
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+def assert_close_rounding(actual: torch.Tensor, expected: torch.Tensor,
+                          ulps: int | None = None) -> None:
+    """Equal up to a few roundings of the output dtype (same dtype and shape).
+
+    Outputs of the fused op may differ from eager by a few ulps: on CPU the tests run the
+    Triton kernel in Triton's interpreter, whose bf16 casts truncate (up to 3 bf16 ulps for
+    cast-then-weight), and its fp32 sum of squares runs in another order (up to ~8 fp32
+    ulps, see tests/_tolerances.py). Elements far below the tensor's largest are held to
+    the same absolute error as it (they come out of matmuls with cancellation). A wrong
+    eps, weight or pairing is off by orders of magnitude more.
+    """
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
+        (actual.dtype, expected.dtype, actual.shape, expected.shape)
+    if ulps is None:
+        ulps = 8 if expected.dtype == torch.float32 else 4
+    eps = torch.finfo(expected.dtype).eps
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=ulps * eps, atol=ulps * eps * scale)
