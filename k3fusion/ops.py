@@ -167,3 +167,313 @@ def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False
     y1, y2 = reference.dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
     # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
     return y1.contiguous(), y2.contiguous()
+
+
+# ====================================================================== AttnRes
+#
+# ``attn_res_`` is the spec (``k3fusion.reference.attn_res``): it updates ``prefix`` and
+# writes ``blocks[:, block_write_idx]`` in place, as a model's decode step does.
+# ``attn_res`` is its functional form, what the graph passes insert: it never mutates
+# its inputs and returns the updated prefix as a new tensor instead.
+
+__all__ += ["attn_res_", "attn_res", "check_attn_res_args"]
+
+
+def _check_eps(eps: float, name: str) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {eps}")
+
+
+def _check_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _check_like_prefix(t: torch.Tensor, prefix: torch.Tensor, name: str) -> None:
+    """dtype, device and contiguous last dim of a tensor read or written like ``prefix``."""
+    if t.dtype != prefix.dtype:
+        raise TypeError(f"{name} must have prefix's dtype {prefix.dtype}, got {t.dtype}")
+    if t.device != prefix.device:
+        raise ValueError(f"{name} is on {t.device} but prefix is on {prefix.device}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dim (stride 1), got stride {t.stride(-1)}"
+        )
+
+
+def check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None,
+                        block_write_idx=-1, out_norm_w=None, out_eps=1e-6) -> None:
+    """Validate AttnRes arguments; raise TypeError/ValueError naming the argument.
+
+    ``prefix [..., H]``; ``blocks [..., NBmax, H]`` with the same leading dims and dtype;
+    ``0 <= num_blocks <= NBmax``; ``block_write_idx`` -1 (no write) or an append slot in
+    ``[num_blocks, NBmax)`` (never a live source); ``delta`` like ``prefix``; weights 1-D
+    ``[H]`` of fp32/bf16/fp16; one device; contiguous last dims; finite eps >= 0.
+    """
+    check_rms_norm_args(prefix, norm_w, eps, x_name="prefix", w_name="norm_w", eps_name="eps")
+    check_rms_norm_args(prefix, proj_w, eps, x_name="prefix", w_name="proj_w", eps_name="eps")
+    if out_norm_w is not None:
+        check_rms_norm_args(prefix, out_norm_w, out_eps, x_name="prefix", w_name="out_norm_w",
+                            eps_name="out_eps")
+    else:
+        _check_eps(out_eps, "out_eps")
+    if not isinstance(blocks, torch.Tensor):
+        raise TypeError(f"blocks must be a Tensor, got {type(blocks).__name__}")
+    if blocks.dim() != prefix.dim() + 1:
+        raise ValueError(f"blocks must be [..., NBmax, H] with prefix's leading dims: prefix is "
+                         f"{tuple(prefix.shape)}, blocks {tuple(blocks.shape)}")
+    if blocks.shape[-1] != prefix.shape[-1]:
+        raise ValueError(f"blocks rows are {blocks.shape[-1]} wide but prefix rows are "
+                         f"{prefix.shape[-1]} wide")
+    if tuple(blocks.shape[:-2]) != tuple(prefix.shape[:-1]):
+        raise ValueError(f"blocks leading dims {tuple(blocks.shape[:-2])} differ from prefix "
+                         f"leading dims {tuple(prefix.shape[:-1])}")
+    _check_like_prefix(blocks, prefix, "blocks")
+    nb_max = blocks.shape[-2]
+    _check_int(num_blocks, "num_blocks")
+    if not 0 <= num_blocks <= nb_max:
+        raise ValueError(f"num_blocks must be in [0, NBmax={nb_max}], got {num_blocks}")
+    _check_int(block_write_idx, "block_write_idx")
+    if block_write_idx != -1:
+        if 0 <= block_write_idx < num_blocks:
+            raise ValueError(f"block_write_idx {block_write_idx} would overwrite a live source "
+                             f"(num_blocks={num_blocks}); a block is appended at an index "
+                             f">= num_blocks")
+        if not num_blocks <= block_write_idx < nb_max:
+            raise ValueError(f"block_write_idx must be -1 (no write) or in [num_blocks, NBmax) "
+                             f"= [{num_blocks}, {nb_max}), got {block_write_idx}")
+    if delta is not None:
+        if not isinstance(delta, torch.Tensor):
+            raise TypeError(f"delta must be a Tensor, got {type(delta).__name__}")
+        if tuple(delta.shape) != tuple(prefix.shape):
+            raise ValueError(f"delta has shape {tuple(delta.shape)} but prefix has "
+                             f"{tuple(prefix.shape)}")
+        _check_like_prefix(delta, prefix, "delta")
+
+
+def _num_rows(prefix: torch.Tensor):
+    t = 1
+    for d in prefix.shape[:-1]:
+        t = t * d
+    return t
+
+
+def _check_rows_disjoint(rows: torch.Tensor, name: str) -> None:
+    """Rows the kernel writes must not share memory (an expanded tensor's would race)."""
+    if rows.shape[0] > 1 and abs(rows.stride(0)) < rows.shape[-1]:
+        raise ValueError(f"{name} rows overlap in memory (row stride {rows.stride(0)} < "
+                         f"width {rows.shape[-1]}): the in-place write would race")
+
+
+def _written_rows(prefix: torch.Tensor) -> torch.Tensor:
+    """``prefix`` as ``[T, H]`` *without* a copy: the in-place op writes through it."""
+    try:
+        rows = prefix.view(_num_rows(prefix), prefix.shape[-1])
+    except RuntimeError:
+        raise ValueError(
+            f"prefix with shape {tuple(prefix.shape)} and strides {prefix.stride()} cannot be "
+            "viewed as [T, H] rows without a copy, and a copy would lose the in-place update "
+            "(pass a tensor whose leading dims can be merged, or use k3fusion::attn_res)"
+        ) from None
+    _check_rows_disjoint(rows, "prefix")
+    return rows
+
+
+def _block_rows(blocks: torch.Tensor, num_rows, written: bool) -> torch.Tensor:
+    """``blocks`` as ``[T, NBmax, H]``; without a copy when the op writes into it."""
+    shape = (num_rows, blocks.shape[-2], blocks.shape[-1])
+    try:
+        blocks3 = blocks.view(shape)
+    except RuntimeError:
+        if not written:
+            return blocks.reshape(shape)
+        raise ValueError(
+            f"blocks with shape {tuple(blocks.shape)} and strides {blocks.stride()} cannot be "
+            "viewed as [T, NBmax, H] without a copy, and a copy would lose the block write "
+            "(pass a bank whose leading dims can be merged, or use k3fusion::attn_res)"
+        ) from None
+    if written:
+        _check_rows_disjoint(blocks3[:, 0], "blocks")  # the written slot's rows
+    return blocks3
+
+
+def _attn_res_out(prefix: torch.Tensor, out_norm_w, out_weight_in_fp32: bool) -> torch.Tensor:
+    if out_norm_w is None:
+        return torch.empty_like(prefix, memory_format=torch.contiguous_format)
+    return _new_norm_output(prefix, out_norm_w, out_weight_in_fp32)
+
+
+def _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta, prefix_out,
+                     block_write_idx, out_norm_w, out_eps, out_weight_in_fp32) -> None:
+    from k3fusion.kernels import attn_res as launch
+
+    launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, _rows(out),
+           delta=None if delta is None else _rows(delta), prefix_out=prefix_out,
+           block_write_idx=block_write_idx, out_norm_w=out_norm_w, out_eps=out_eps,
+           out_weight_in_fp32=out_weight_in_fp32)
+
+
+# ---------------------------------------------------------------- in place: the spec
+
+
+@torch.library.custom_op("k3fusion::attn_res_", mutates_args=("prefix", "blocks"))
+def attn_res_(
+    prefix: torch.Tensor,
+    blocks: torch.Tensor,
+    num_blocks: int,
+    norm_w: torch.Tensor,
+    proj_w: torch.Tensor,
+    eps: float,
+    delta: Optional[torch.Tensor] = None,
+    block_write_idx: int = -1,
+    out_norm_w: Optional[torch.Tensor] = None,
+    out_eps: float = 1e-6,
+    out_weight_in_fp32: bool = False,
+) -> torch.Tensor:
+    """AttnRes, in place; see ``k3fusion.reference.attn_res``.
+
+    With ``delta``, ``prefix`` becomes ``(prefix + delta).to(prefix.dtype)``; with
+    ``block_write_idx >= 0`` that row is written to ``blocks[..., block_write_idx, :]``.
+    Returns the mix (optionally output-normed) as a new tensor. A tensor the op writes
+    must be viewable as rows (``[T, H]`` / ``[T, NBmax, H]``) without a copy.
+    """
+    raise NotImplementedError(f"k3fusion::attn_res_ has no kernel for {prefix.device.type}")
+
+
+def _inplace_views(prefix, blocks, delta, block_write_idx):
+    prefix2 = _written_rows(prefix) if delta is not None else _rows(prefix)
+    return prefix2, _block_rows(blocks, prefix2.shape[0], block_write_idx >= 0)
+
+
+@attn_res_.register_fake
+def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,
+      out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
+    check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                        block_write_idx, out_norm_w, out_eps)
+    _inplace_views(prefix, blocks, delta, block_write_idx)
+    return _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
+
+
+def _attn_res_inplace(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, block_write_idx,
+                      out_norm_w, out_eps, out_weight_in_fp32, use_kernel: bool):
+    check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                        block_write_idx, out_norm_w, out_eps)
+    prefix2, blocks3 = _inplace_views(prefix, blocks, delta, block_write_idx)
+    if use_kernel:
+        out = _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
+        _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta, prefix2,
+                         block_write_idx, out_norm_w, out_eps, out_weight_in_fp32)
+        return out
+    out = reference.attn_res(prefix2, blocks3, num_blocks, norm_w, proj_w, eps,
+                             None if delta is None else _rows(delta), block_write_idx,
+                             out_norm_w, out_eps, out_weight_in_fp32)
+    return out.reshape(prefix.shape).contiguous()
+
+
+@attn_res_.register_kernel("cuda")
+def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,
+      out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
+    return _attn_res_inplace(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                             block_write_idx, out_norm_w, out_eps, out_weight_in_fp32, True)
+
+
+@attn_res_.register_kernel("cpu")
+def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,
+      out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
+    from k3fusion.kernels._launch import interpreter_enabled
+
+    return _attn_res_inplace(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                             block_write_idx, out_norm_w, out_eps, out_weight_in_fp32,
+                             interpreter_enabled())
+
+
+# ---------------------------------------------------------------- functional
+
+
+@torch.library.custom_op("k3fusion::attn_res", mutates_args=())
+def attn_res(
+    prefix: torch.Tensor,
+    blocks: torch.Tensor,
+    num_blocks: int,
+    norm_w: torch.Tensor,
+    proj_w: torch.Tensor,
+    eps: float,
+    delta: Optional[torch.Tensor] = None,
+    out_norm_w: Optional[torch.Tensor] = None,
+    out_eps: float = 1e-6,
+    out_weight_in_fp32: bool = False,
+    eps_tensor: Optional[torch.Tensor] = None,
+    out_eps_tensor: Optional[torch.Tensor] = None,
+) -> list[torch.Tensor]:
+    """AttnRes without side effects (no block write): ``[out]``, or ``[out, new_prefix]``
+    with ``delta``, where ``new_prefix = (prefix + delta).to(prefix.dtype)`` is a new
+    tensor and the last source. ``eps_tensor``/``out_eps_tensor`` (0-dim CPU tensors,
+    ``torch.compile(dynamic=True)``'s form of a float eps) replace ``eps``/``out_eps``.
+    """
+    raise NotImplementedError(f"k3fusion::attn_res has no kernel for {prefix.device.type}")
+
+
+def _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
+                      out_eps, eps_tensor, out_eps_tensor) -> None:
+    check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, -1,
+                        out_norm_w, out_eps)
+    _check_eps_tensor(eps_tensor, "eps_tensor")
+    _check_eps_tensor(out_eps_tensor, "out_eps_tensor")
+
+
+@attn_res.register_fake
+def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=None,
+      out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
+    _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
+                      out_eps, eps_tensor, out_eps_tensor)
+    out = _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
+    if delta is None:
+        return [out]
+    return [out, torch.empty_like(prefix, memory_format=torch.contiguous_format)]
+
+
+def _attn_res_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
+                         out_eps, out_weight_in_fp32, eps_tensor, out_eps_tensor,
+                         use_kernel: bool):
+    _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
+                      out_eps, eps_tensor, out_eps_tensor)
+    eps = _eps_value(eps, eps_tensor, "eps_tensor")
+    out_eps = _eps_value(out_eps, out_eps_tensor, "out_eps_tensor")
+    prefix2 = _rows(prefix)
+    blocks3 = _block_rows(blocks, prefix2.shape[0], written=False)  # read only: may copy
+    if use_kernel:
+        out = _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
+        new_prefix = None
+        if delta is not None:
+            new_prefix = torch.empty_like(prefix, memory_format=torch.contiguous_format)
+        _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta,
+                         None if new_prefix is None else _rows(new_prefix), -1, out_norm_w,
+                         out_eps, out_weight_in_fp32)
+        return [out] if new_prefix is None else [out, new_prefix]
+    if delta is not None:
+        prefix2 = prefix2.clone(memory_format=torch.contiguous_format)  # the reference updates it
+    out = reference.attn_res(prefix2, blocks3, num_blocks, norm_w, proj_w, eps,
+                             None if delta is None else _rows(delta), -1, out_norm_w, out_eps,
+                             out_weight_in_fp32)
+    out = out.reshape(prefix.shape).contiguous()
+    return [out] if delta is None else [out, prefix2.view(prefix.shape)]
+
+
+@attn_res.register_kernel("cuda")
+def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=None,
+      out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
+    return _attn_res_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                                out_norm_w, out_eps, out_weight_in_fp32, eps_tensor,
+                                out_eps_tensor, True)
+
+
+@attn_res.register_kernel("cpu")
+def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=None,
+      out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
+    from k3fusion.kernels._launch import interpreter_enabled
+
+    return _attn_res_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                                out_norm_w, out_eps, out_weight_in_fp32, eps_tensor,
+                                out_eps_tensor, interpreter_enabled())

@@ -4,6 +4,7 @@ Launchers take already-validated 2-D row views and preallocated outputs; argumen
 checking and dispatch live in ``k3fusion.ops``.
 """
 
+from .attn_res import attn_res
 from .dual_rms_norm import dual_rms_norm
 
-__all__ = ["dual_rms_norm"]
+__all__ = ["attn_res", "dual_rms_norm"]

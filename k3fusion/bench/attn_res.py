@@ -1,0 +1,293 @@
+"""Benchmark the AttnRes prefix-update chain (needs CUDA).
+
+``python -m k3fusion.bench.attn_res [--out DIR] [--tokens T ...] [--sweep] [--compiled NAME]``
+
+Kimi-K3's decode/prefill step at a layer that closes a block: bf16, ``H = 7168``, a bank of
+9 slots ``[T, 9, H]`` holding 8 completed blocks, so 9 sources (8 blocks + the prefix);
+``prefix += delta``, the new prefix appended to slot 8, the depth softmax, the output
+RMSNorm. Side by side, in one process, each under CUDA-graph replay (median):
+
+* ``eager``: the chain as a model writes it (:func:`attn_res_chain`): HF-style key
+  RMSNorm, ``Linear(H, 1)`` projection, float softmax over the sources, the mix, HF-style
+  output RMSNorm;
+* ``inductor``: default ``torch.compile`` of that same function;
+* ``fused_op``: ``torch.ops.k3fusion.attn_res_`` (in place, one launch).
+
+The fused op mutates its inputs, so every call adds ``delta`` to the prefix again: the
+values drift (a random walk, far from bf16's range in a benchmark's few hundred calls),
+which changes nothing in the work done, and input sets are rotated (as for every
+variant) so the timings read HBM, not L2. The HBM floor is the bytes the fused kernel
+must move once: read 8 blocks, the prefix and delta, write the prefix, the block and the
+output (13 rows of ``T x H`` bf16) plus the three weight rows, at 4.3 TB/s.
+
+``--sweep`` also times the kernel itself for every launch shape (sources per tile 1, 2,
+4 x warps 4, 8, 16) at each T, to set ``kernels.attn_res.pick_launch_shape``
+(``PREFILL_TOKENS``, ``DECODE_SOURCES_PER_TILE``, the warp rule).
+
+Writes ``attn_res.json``, ``attn_res.md`` and ``attn_res.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
+
+TOKENS = (1, 8, 32, 128, 512, 4096)
+HIDDEN = 7168
+NUM_BLOCKS = 8           # completed blocks: the sources are these 8 and the prefix
+BANK_SLOTS = NUM_BLOCKS + 1
+WRITE_IDX = NUM_BLOCKS   # this layer closes a block: the new prefix is appended here
+EPS = 1e-6
+
+#: Compiled variants timed besides eager and the fused op: {column name: backend}.
+#: HOOK (for when ``patterns/attn_res.py`` rewrites this chain): add
+#: ``"k3fusion": "k3fusion"`` here, or pass ``--compiled k3fusion``; its match count is
+#: then recorded as ``k3fusion_matches``. Until then there is no k3fusion compiled column
+#: -- the table shows only what was measured.
+COMPILED_VARIANTS: dict[str, str] = {"inductor": "inductor"}
+
+SWEEP_SOURCES_PER_TILE = (1, 2, 4)
+SWEEP_WARPS = (4, 8, 16)
+
+
+def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x.to(dtype)
+
+
+def attn_res_chain(prefix, delta, bank, norm_w, proj_w, out_w):
+    """The AttnRes step as a model writes it. ``proj_w`` is the ``Linear(H, 1)`` weight
+    ``[1, H]``. Returns ``(new prefix, out)``; ``bank[:, WRITE_IDX]`` is written."""
+    prefix = prefix + delta
+    bank[:, WRITE_IDX] = prefix
+    sources = torch.cat([bank[:, :NUM_BLOCKS], prefix.unsqueeze(1)], 1)   # [T, 9, H]
+    logits = F.linear(_hf_rms_norm(sources, norm_w, EPS), proj_w)        # [T, 9, 1]
+    weights = logits.float().softmax(dim=1)
+    mixed = (weights * sources.float()).sum(1).to(prefix.dtype)
+    return prefix, _hf_rms_norm(mixed, out_w, EPS)
+
+
+def fused_op(prefix, delta, bank, norm_w, proj_w, out_w):
+    """The same step through ``k3fusion::attn_res_``: updates ``prefix`` in place."""
+    out = torch.ops.k3fusion.attn_res_(prefix, bank, NUM_BLOCKS, norm_w, proj_w[0], EPS, delta,
+                                       WRITE_IDX, out_w, EPS)
+    return prefix, out
+
+
+def _inputs(t: int, device: str = "cuda", hidden: int = HIDDEN):
+    dt = torch.bfloat16
+    prefix = torch.randn(t, hidden, device=device, dtype=dt)
+    delta = torch.randn(t, hidden, device=device, dtype=dt)
+    bank = torch.randn(t, BANK_SLOTS, hidden, device=device, dtype=dt)
+    norm_w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dt)
+    proj_w = (torch.randn(1, hidden, device=device) / hidden**0.5).to(dt)
+    out_w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dt)
+    return prefix, delta, bank, norm_w, proj_w, out_w
+
+
+def _bytes(t: int, hidden: int = HIDDEN) -> int:
+    # read 8 blocks + prefix + delta, write prefix + block + out; three bf16 weight rows
+    return 2 * (13 * t * hidden + 3 * hidden)
+
+
+def assert_near_chain(out: torch.Tensor, chain_out: torch.Tensor, what: str) -> None:
+    """``out`` against the model's chain: that chain rounds the normalized keys and the
+    logits to bf16 (the spec keeps them fp32), which moves outputs by ~2e-3 on average and
+    by up to ~0.07 (measured on CPU, |out| ~ 0.8 on average). A wrong source, slot, eps or
+    weight moves the mean by far more."""
+    diff = (out.float() - chain_out.float()).abs()
+    mean, worst = diff.mean().item(), diff.max().item()
+    assert mean < 4e-3 and worst < 0.125, f"{what}: mean |diff| {mean:.2e}, max {worst:.2e}"
+
+
+def check_fused(args) -> None:
+    """The fused op on copies of ``args``: against the spec (``k3fusion.reference``) tightly,
+    against the eager chain loosely; the new prefix and the bank bit for bit (one fp32
+    add, one rounding on every side)."""
+    from k3fusion import reference
+
+    eager_args = [a.clone() for a in args]
+    fused_args = [a.clone() for a in args]
+    spec_args = [a.clone() for a in args]
+    prefix_e, out_e = attn_res_chain(*eager_args)
+    prefix_f, out_f = fused_op(*fused_args)
+    prefix, delta, bank, norm_w, proj_w, out_w = spec_args
+    out_s = reference.attn_res(prefix, bank, NUM_BLOCKS, norm_w, proj_w[0], EPS, delta,
+                               WRITE_IDX, out_w, EPS)
+    assert torch.equal(prefix_f, prefix_e) and torch.equal(prefix_f, prefix), "prefix differs"
+    assert torch.equal(fused_args[2], eager_args[2]) and torch.equal(fused_args[2], bank), \
+        "bank differs"
+    # A few bf16 ulps: the mix within 1, the output norm's roundings (see the tests).
+    torch.testing.assert_close(out_f, out_s, rtol=2**-6, atol=2**-6)
+    assert_near_chain(out_f, out_e, "fused op vs eager chain")
+
+
+def _compiled(backend: str):
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *args: attn_res_chain(*args), backend=backend, dynamic=False)
+
+    def call(*args):
+        with inductor_config.patch(fx_graph_cache=False), \
+                functorch_config.patch(enable_autograd_cache=False):
+            return fn(*args)
+    return call
+
+
+def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
+    import k3fusion
+    from k3fusion.kernels.attn_res import PREFILL_TOKENS, pick_launch_shape
+    from k3fusion.kernels.attn_res import attn_res as launch
+
+    compiled = dict(COMPILED_VARIANTS if compiled is None else compiled)
+    rows = []
+    for t in tokens:
+        # Rotate input sets so that every variant reads from HBM, not from L2.
+        sets = [_inputs(t) for _ in range(sets_to_outgrow_l2(_bytes(t)))]
+        check_fused(sets[0])
+        k3fusion.reset_match_counts()
+        variants = {"eager": attn_res_chain}
+        variants.update({name: _compiled(backend) for name, backend in compiled.items()})
+        variants["fused_op"] = fused_op
+        shape = pick_launch_shape(t, HIDDEN, NUM_BLOCKS)
+        row = {"T": t, "floor_us": hbm_floor_us(_bytes(t)), "input_sets": len(sets),
+               "sources_per_tile": shape.sources_per_tile, "num_warps": shape.num_warps}
+        chain_out = attn_res_chain(*[a.clone() for a in sets[0]])[1]
+        for name, fn in variants.items():
+            if name in compiled:
+                out = fn(*[a.clone() for a in sets[0]])[1]  # compiles; check before timing
+                assert_near_chain(out, chain_out, f"{name} vs eager chain")
+            row[f"{name}_us"] = cuda_graph_us(fn, sets)
+        if "k3fusion" in compiled:
+            row["k3fusion_matches"] = k3fusion.match_counts().get("attn_res", 0)
+        if sweep:
+            outs = [torch.empty_like(s[0]) for s in sets]
+            for spt in SWEEP_SOURCES_PER_TILE:
+                for w in SWEEP_WARPS:
+                    row[f"spt{spt}_warps{w}_us"] = cuda_graph_us(
+                        lambda prefix, delta, bank, norm_w, proj_w, out_w, out, spt=spt, w=w:
+                        launch(prefix, bank, NUM_BLOCKS, norm_w, proj_w[0], EPS, out,
+                               delta=delta, prefix_out=prefix, block_write_idx=WRITE_IDX,
+                               out_norm_w=out_w, out_eps=EPS, sources_per_tile=spt,
+                               num_warps=w),
+                        [s + (o,) for s, o in zip(sets, outs)])
+            best = min((k for k in row if k.startswith("spt")), key=row.get)
+            row["sweep_best"] = best[: -len("_us")]
+        row["speedup_vs_inductor"] = row["inductor_us"] / row["fused_op_us"] \
+            if "inductor_us" in row else None
+        row["floor_fraction"] = row["floor_us"] / row["fused_op_us"]
+        rows.append(row)
+        print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items()), flush=True)
+    return {"bench": "attn_res", "hidden": HIDDEN, "num_blocks": NUM_BLOCKS,
+            "prefill_tokens": PREFILL_TOKENS, "compiled": compiled, "rows": rows,
+            **environment()}
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def markdown(result: dict) -> str:
+    compiled = list(result["compiled"])
+    names = {"inductor": "default Inductor", "k3fusion": "k3fusion (compiled)"}
+    head = ["T", "eager", *[names.get(c, c) for c in compiled], "fused op (shape)", "HBM floor",
+            "fused vs Inductor", "of floor"]
+    lines = [
+        f"AttnRes step, bf16, H {result['hidden']}, {result['num_blocks']} blocks + prefix "
+        "(9 sources), delta + block write + output norm. "
+        f"{result['gpu']}, {result['date']}, torch {result['torch']}, triton "
+        f"{result['triton']}. CUDA-graph replay (20 calls per graph, inputs rotated to outgrow "
+        "L2), median us per call. Shape: sources per tile x warps picked by the heuristic.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---:|" * len(head),
+    ]
+    for r in result["rows"]:
+        cells = [str(r["T"]), f"{r['eager_us']:.2f}"]
+        cells += [f"{r[f'{c}_us']:.2f}" for c in compiled]
+        cells += [f"{r['fused_op_us']:.2f} ({r['sources_per_tile']}x{r['num_warps']})",
+                  f"{r['floor_us']:.2f}",
+                  "-" if r["speedup_vs_inductor"] is None else f"{r['speedup_vs_inductor']:.2f}x",
+                  f"{100 * r['floor_fraction']:.0f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    sweep_keys = [k for k in result["rows"][0] if k.startswith("spt")] if result["rows"] else []
+    if sweep_keys:
+        lines += ["", "Kernel launch-shape sweep (us; sources per tile x warps):", "",
+                  "| T | " + " | ".join(k[3:-3].replace("_warps", "x") for k in sweep_keys)
+                  + " | best |",
+                  "|" + "---:|" * (len(sweep_keys) + 2)]
+        for r in result["rows"]:
+            lines.append(f"| {r['T']} | " + " | ".join(f"{r[k]:.2f}" for k in sweep_keys)
+                         + f" | {r['sweep_best']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ts = [r["T"] for r in result["rows"]]
+    series = [("eager_us", "eager")]
+    series += [(f"{c}_us", {"inductor": "default Inductor"}.get(c, c)) for c in result["compiled"]]
+    series += [("fused_op_us", "fused op"), ("floor_us", "HBM floor")]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, label in series:
+        ax.plot(ts, [r[key] for r in result["rows"]], marker="o", label=label,
+                linestyle="--" if key == "floor_us" else "-")
+    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="us (CUDA-graph replay, median)",
+           title=f"AttnRes step (9 sources, H {result['hidden']}), bf16, {result['gpu']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m k3fusion.bench.attn_res")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    p.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    p.add_argument("--sweep", action="store_true", help="time every kernel launch shape")
+    p.add_argument("--compiled", action="append", default=[], metavar="BACKEND",
+                   help="also time torch.compile with this backend (e.g. k3fusion)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    compiled = dict(COMPILED_VARIANTS)
+    compiled.update({b: b for b in args.compiled})
+    result = run(args.tokens, args.sweep, compiled)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attn_res.json").write_text(json.dumps(result, indent=2))
+    (args.out / "attn_res.md").write_text(markdown(result))
+    try:
+        plot(result, args.out / "attn_res.png")
+    except ImportError:
+        print("matplotlib missing (pip install k3fusion[bench]): no plot")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
