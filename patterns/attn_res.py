@@ -187,8 +187,12 @@ def _mix(div: Node, sources: Node, x32: Node) -> tuple[Node, list[Node]]:
     if not (is_op(p, aten.unsqueeze.default) and _dim_is(p, p.args[1], -1)):
         raise NoMatch("softmax weights are not unsqueezed for the mix")
     weighted = only_user(p)
-    if not is_op(weighted, _MUL) or operands(weighted, p) not in (sources, x32):
+    if not is_op(weighted, _MUL):
         raise NoMatch("softmax weights do not scale the sources")
+    try:
+        nodes += same_input(operands(weighted, p), x32)  # sources, or their fp32 upcast
+    except NoMatch:
+        raise NoMatch("softmax weights do not scale the sources") from None
     total = only_user(weighted)
     if not (is_op(total, aten.sum.dim_IntList) and len(total.args[1]) == 1
             and _dim_is(weighted, total.args[1][0], -2)):

@@ -52,7 +52,7 @@ EPS = 1e-6
 #: ``"k3fusion": "k3fusion"`` here, or pass ``--compiled k3fusion``; its match count is
 #: then recorded as ``k3fusion_matches``. Until then there is no k3fusion compiled column
 #: -- the table shows only what was measured.
-COMPILED_VARIANTS: dict[str, str] = {"inductor": "inductor"}
+COMPILED_VARIANTS: dict[str, str] = {"inductor": "inductor", "k3fusion": "k3fusion"}
 
 SWEEP_SOURCES_PER_TILE = (1, 2, 4)
 SWEEP_WARPS = (4, 8, 16)
@@ -71,9 +71,9 @@ def attn_res_chain(prefix, delta, bank, norm_w, proj_w, out_w):
     prefix = prefix + delta
     bank[:, WRITE_IDX] = prefix
     sources = torch.cat([bank[:, :NUM_BLOCKS], prefix.unsqueeze(1)], 1)   # [T, 9, H]
-    logits = F.linear(_hf_rms_norm(sources, norm_w, EPS), proj_w)        # [T, 9, 1]
-    weights = logits.float().softmax(dim=1)
-    mixed = (weights * sources.float()).sum(1).to(prefix.dtype)
+    logits = F.linear(_hf_rms_norm(sources, norm_w, EPS), proj_w).squeeze(-1)  # [T, 9]
+    weights = logits.float().softmax(-1)
+    mixed = (weights.unsqueeze(-1) * sources.float()).sum(1).to(prefix.dtype)
     return prefix, _hf_rms_norm(mixed, out_w, EPS)
 
 
