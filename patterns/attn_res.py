@@ -43,6 +43,13 @@ _MUL = aten.mul.Tensor
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
+def _online_softmax_ops() -> tuple:
+    """Inductor's online-softmax prim (GPU graphs; one reduction for max and sum of exp),
+    where this torch has it."""
+    op = getattr(prims, "prepare_softmax_online", None)
+    return (op.default,) if op is not None else ()
+
+
 @dataclass
 class AttnResSite:
     """One recognized AttnRes mix (before the optional folds)."""
@@ -76,20 +83,32 @@ def _softmax(div: Node) -> tuple[Node, list[Node]]:
     if not is_op(div, aten.div.Tensor):
         raise NoMatch("not a division")
     exp, denom = div.args
-    if not (is_op(exp, aten.exp.default) and is_op(denom, aten.sum.dim_IntList)
-            and denom.args[0] is exp and _last_dim(exp, denom.args[1])
-            and (denom.args[2] if len(denom.args) > 2 else denom.kwargs.get("keepdim"))):
-        raise NoMatch("not a softmax denominator")
+    if not is_op(exp, aten.exp.default):
+        raise NoMatch("not a softmax numerator")
     sub = exp.args[0]
     if not is_op(sub, aten.sub.Tensor):
         raise NoMatch("softmax without max subtraction")
     logits, amax = sub.args
-    if not (is_op(amax, aten.amax.default) and amax.args[0] is logits
-            and _last_dim(logits, amax.args[1])):
-        raise NoMatch("softmax without amax")
+    if is_op(denom, operator.getitem) and is_op(denom.args[0], *_online_softmax_ops()):
+        # CUDA: prepare_softmax_online(logits, dim) -> (max, sum of exp)
+        online = denom.args[0]
+        if not (online.args[0] is logits and _dim_is(logits, online.args[1], -1)
+                and denom.args[1] == 1 and is_op(amax, operator.getitem)
+                and amax.args[0] is online and amax.args[1] == 0):
+            raise NoMatch("not an online softmax over the last dim")
+        nodes = [online, amax, denom, sub, exp, div]
+    else:
+        if not (is_op(denom, aten.sum.dim_IntList) and denom.args[0] is exp
+                and _last_dim(exp, denom.args[1])
+                and (denom.args[2] if len(denom.args) > 2 else denom.kwargs.get("keepdim"))):
+            raise NoMatch("not a softmax denominator")
+        if not (is_op(amax, aten.amax.default) and amax.args[0] is logits
+                and _last_dim(logits, amax.args[1])):
+            raise NoMatch("softmax without amax")
+        nodes = [amax, sub, exp, denom, div]
     if dtype_of(logits) != torch.float32:
         raise NoMatch(f"softmax in {dtype_of(logits)}, not float32")
-    return logits, [amax, sub, exp, denom, div]
+    return logits, nodes
 
 
 def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
@@ -332,7 +351,7 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
         try:
             site = match_attn_res(div)
         except NoMatch as e:
-            if is_op(div.args[0], aten.exp.default):  # looked like a softmax: worth saying
+            if is_op(div.args[0], aten.exp.default):  # a softmax: say why it is not a site
                 misses.append(f"softmax {div.name}: {e}")
             continue
         out_norm = by_input.get(site.mixed)
