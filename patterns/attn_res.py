@@ -381,8 +381,13 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
                     out_eps, out_fp32, eps_t, out_eps_t)
 
         try:  # the op's own checks (dtypes, strides, devices) before the graph is touched
-            fake_bank = (fake_call(aten.unsqueeze.default, (prefix_in, -2)) if site.blocks is not None
-                         else site.bank)
+            if site.blocks:  # what _BlockStacks will build: the blocks stacked on dim -2
+                fake_bank = fake_call(aten.cat.default, (
+                    [fake_call(aten.unsqueeze.default, (b, -2)) for b in site.blocks], -2))
+            elif site.blocks is not None:
+                fake_bank = fake_call(aten.unsqueeze.default, (prefix_in, -2))
+            else:
+                fake_bank = site.bank
             fake_call(op, op_args(fake_bank, fake_call(aten.view.default, (site.proj_w, [width]))))
         except (TypeError, ValueError) as e:
             misses.append(f"softmax {div.name}: the fused op refuses these inputs: {e}")

@@ -73,7 +73,7 @@ def attn_res_chain(prefix, delta, bank, norm_w, proj_w, out_w):
     sources = torch.cat([bank[:, :NUM_BLOCKS], prefix.unsqueeze(1)], 1)   # [T, 9, H]
     logits = F.linear(_hf_rms_norm(sources, norm_w, EPS), proj_w).squeeze(-1)  # [T, 9]
     weights = logits.float().softmax(-1)
-    mixed = (weights.unsqueeze(-1) * sources.float()).sum(1).to(prefix.dtype)
+    mixed = (weights.to(sources.dtype).unsqueeze(-1) * sources).sum(1)  # model dtype
     return prefix, _hf_rms_norm(mixed, out_w, EPS)
 
 
