@@ -57,14 +57,16 @@ import triton.language as tl
 from ._launch import check_launchable
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS",
-           "DECODE_SOURCES_PER_TILE"]
+           "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE"]
 
-#: From this many tokens on, the prefill shape (one source per tile) is used. A guess
-#: to be measured on the H200 (``python -m k3fusion.bench.attn_res --sweep``); the
-#: launcher's ``prefill_tokens`` argument overrides it.
-PREFILL_TOKENS = 256
-#: Sources per tile of the decode shape.
-DECODE_SOURCES_PER_TILE = 2
+#: From this many tokens on, the prefill shape is used. Measured on the H200 (bf16,
+#: H = 7168, 9 sources; docs/benchmarks.md): the decode shape is best up to T = 512
+#: (4x16: 35.5 us vs 37.1 for 1x8) and the prefill shape from 4096 on (2x4: 241 us vs 245).
+PREFILL_TOKENS = 1024
+#: Sources per tile of the decode shape (4x16 was fastest from T = 1 to 512).
+DECODE_SOURCES_PER_TILE = 4
+#: Sources per tile of the prefill shape (2x4 was fastest at T = 4096).
+PREFILL_SOURCES_PER_TILE = 2
 
 
 @triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
@@ -164,29 +166,31 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
                       sources_per_tile: int = 0, num_warps: int = 0) -> LaunchShape:
     """Launch shape for ``T`` tokens of width ``H`` with ``num_blocks`` completed blocks.
 
-    * prefill (one source per tile) from ``prefill_tokens`` (default
-      :data:`PREFILL_TOKENS`) tokens on, or with at most one block (a wider tile would be
-      mostly masked); else decode (:data:`DECODE_SOURCES_PER_TILE` sources per tile).
-      Only these two shapes are compiled per feature set: ``num_blocks`` picks between
-      them but never adds a variant.
-    * warps: about 32 tile elements per thread (``SOURCES_PER_TILE * BLOCK_H / 1024``),
-      between 1 and 16: at H = 7168 (BLOCK_H 8192) the prefill shape gets 8 warps and
-      the decode shape 16. Compiled for sm_90 with triton 3.7 (ptxas -v), bf16, all
-      switches on: 1 source x 8 warps 123 registers, 2 x 16 97, 4 x 16 128 (the cap at
-      512 threads), none spilling; 4 sources at 4 or 8 warps spill or nearly do.
+    * decode (T < ``prefill_tokens``, default :data:`PREFILL_TOKENS`):
+      :data:`DECODE_SOURCES_PER_TILE` sources per tile, 64 tile elements per thread;
+    * prefill: :data:`PREFILL_SOURCES_PER_TILE` sources per tile, 128 per thread;
+    * never more sources per tile than there are sources (rounded up to a power of two).
 
-    ``sources_per_tile``/``num_warps`` > 0 override (tests, the benchmark sweep). To be
-    measured on the H200.
+    At H = 7168 (BLOCK_H 8192) that is 4 sources x 16 warps and 2 x 4, the fastest shapes
+    of the H200 sweep (docs/benchmarks.md). ``num_blocks`` is a runtime argument of the
+    kernel: it only picks among these shapes, it never adds a compiled variant.
+    Register use (ptxas, sm_90, triton 3.7, bf16, every switch on): 4 x 16 128 registers,
+    no spills. ``sources_per_tile``/``num_warps`` > 0 override (tests, the sweep).
     """
     block_h = triton.next_power_of_2(max(H, 1))
+    threshold = PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
+    prefill = T >= threshold
     if sources_per_tile <= 0:
-        threshold = PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
-        prefill = T >= threshold or num_blocks <= 1
-        sources_per_tile = 1 if prefill else DECODE_SOURCES_PER_TILE
+        sources_per_tile = PREFILL_SOURCES_PER_TILE if prefill else DECODE_SOURCES_PER_TILE
+        # No wider than the sources there are (num_blocks + the prefix).
+        sources_per_tile = min(sources_per_tile, triton.next_power_of_2(num_blocks + 1))
     if sources_per_tile & (sources_per_tile - 1):
         raise ValueError(f"sources_per_tile must be a power of two, got {sources_per_tile}")
     if num_warps <= 0:
-        num_warps = max(1, min(16, sources_per_tile * block_h // 1024))
+        # Measured: decode wants many threads in flight (64 tile elements per thread),
+        # prefill fewer, fatter programs (128 per thread) so more tokens are resident.
+        per_thread = 4096 if prefill else 2048
+        num_warps = max(1, min(16, sources_per_tile * block_h // per_thread))
     if num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two, got {num_warps}")
     return LaunchShape(sources_per_tile, num_warps, block_h)

@@ -32,7 +32,7 @@ from _tolerances import assert_matches_reference, ulp
 from k3fusion import reference
 from k3fusion.kernels._launch import _kernels_are_interpreted
 from k3fusion.kernels.attn_res import (
-    DECODE_SOURCES_PER_TILE,
+    DECODE_SOURCES_PER_TILE, PREFILL_SOURCES_PER_TILE,
     PREFILL_TOKENS,
     _attn_res_kernel,
     pick_launch_shape,
@@ -561,18 +561,20 @@ def test_the_rounded_prefix_is_the_last_source(dtype: torch.dtype) -> None:
 
 def test_pick_launch_shape() -> None:
     H = 7168
+    # The shapes the H200 sweep found fastest (docs/benchmarks.md).
     decode = pick_launch_shape(8, H, 8)
     assert (decode.sources_per_tile, decode.num_warps, decode.block_h) == \
-        (DECODE_SOURCES_PER_TILE, 16, 8192)
+        (DECODE_SOURCES_PER_TILE, 16, 8192) == (4, 16, 8192)
     prefill = pick_launch_shape(PREFILL_TOKENS, H, 8)
-    assert (prefill.sources_per_tile, prefill.num_warps) == (1, 8)
-    assert pick_launch_shape(PREFILL_TOKENS - 1, H, 8).sources_per_tile > 1
-    # At most one block: a multi-source tile would be mostly masked.
-    assert pick_launch_shape(1, H, 1).sources_per_tile == 1
+    assert (prefill.sources_per_tile, prefill.num_warps) == (PREFILL_SOURCES_PER_TILE, 4) == (2, 4)
+    assert pick_launch_shape(PREFILL_TOKENS - 1, H, 8).sources_per_tile == 4
+    # No wider than the sources: one block + the prefix is two, none is one.
+    assert pick_launch_shape(1, H, 1).sources_per_tile == 2
     assert pick_launch_shape(1, H, 0).sources_per_tile == 1
+    assert pick_launch_shape(1, H, 0).num_warps == 4
     # The threshold is an argument (the benchmark sweeps it) ...
-    assert pick_launch_shape(64, H, 8, prefill_tokens=64).sources_per_tile == 1
-    assert pick_launch_shape(4096, H, 8, prefill_tokens=10**9).sources_per_tile > 1
+    assert pick_launch_shape(64, H, 8, prefill_tokens=64).sources_per_tile == 2
+    assert pick_launch_shape(4096, H, 8, prefill_tokens=10**9).sources_per_tile == 4
     # ... and so are the shape itself and the warps.
     s = pick_launch_shape(4096, H, 8, sources_per_tile=4, num_warps=4)
     assert (s.sources_per_tile, s.num_warps) == (4, 4)
