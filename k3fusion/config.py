@@ -19,6 +19,9 @@ __all__ = ["FusionConfig", "get_config", "set_config", "load_config", "ENV_PREFI
 
 ENV_PREFIX = "K3FUSION_"
 
+#: Values of ``FusionConfig.moe_tail_tier`` (``k3fusion.moe_tail.Tier`` values, or "auto").
+MOE_TAIL_TIERS = ("auto", "tail_fusion", "allreduce_overlap", "column_parallel", "replicated")
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -39,6 +42,22 @@ class FusionConfig:
     debug: bool = False
     #: Rows handled by one program of the dual RMSNorm kernel; 0 picks by size.
     dual_norm_rows_per_program: int = 0
+    #: Latent-MoE tail: run the tiered tail (eager runner, and the graph pass when it
+    #: lands); False runs the plain replicated tail everywhere.
+    moe_tail: bool = True
+    #: TAIL_FUSION tier for 0 < tokens <= this, where a fused-tail kernel supports the
+    #: platform (``k3fusion.moe_tail``); 0 never selects it.
+    fused_tail_max_tokens: int = 16
+    #: ALLREDUCE_OVERLAP tier (shared-expert all-reduce on a side stream, replicated
+    #: up-projection) for tokens <= this; above it COLUMN_PARALLEL. As vLLM's
+    #: ``VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD``.
+    shared_experts_stream_token_threshold: int = 256
+    #: Never select ALLREDUCE_OVERLAP (as vLLM's ``VLLM_DISABLE_SHARED_EXPERTS_STREAM``).
+    disable_shared_experts_stream: bool = False
+    #: Force one latent-MoE tail tier ("auto" selects by token count): "tail_fusion",
+    #: "allreduce_overlap", "column_parallel" or "replicated". Forcing a tier that is
+    #: unavailable for a call is an error, never a silent fallback.
+    moe_tail_tier: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -50,6 +69,14 @@ class FusionConfig:
                     raise TypeError(f"FusionConfig.{f.name} must be an int, got {value!r}")
                 if value < 0:
                     raise ValueError(f"FusionConfig.{f.name} must be >= 0, got {value}")
+            if f.type in ("str", str) and not isinstance(value, str):
+                raise TypeError(f"FusionConfig.{f.name} must be a str, got {value!r}")
+        if self.moe_tail_tier not in MOE_TAIL_TIERS:
+            raise ValueError(f"FusionConfig.moe_tail_tier must be one of {MOE_TAIL_TIERS}, "
+                             f"got {self.moe_tail_tier!r}")
+        if self.moe_tail_tier != "auto" and not self.moe_tail:
+            raise ValueError(f"FusionConfig.moe_tail_tier={self.moe_tail_tier!r} forces a tier "
+                             "but moe_tail=False turns the tiered tail off")
         rows = self.dual_norm_rows_per_program
         if rows and rows & (rows - 1):
             raise ValueError(
@@ -77,6 +104,8 @@ def _parse(name: str, raw: str, kind: str):
             return int(text, 10)
         except ValueError:
             raise ValueError(f"{name}={raw!r}: expected an integer") from None
+    if kind in ("str", str):
+        return text
     raise AssertionError(f"no parser for {kind}")  # a new field type needs one
 
 

@@ -99,3 +99,40 @@ def attn_res(
     if out_norm_w is None:
         return mixed
     return rms_norm(mixed, out_norm_w, out_eps, out_weight_in_fp32)
+
+
+# ====================================================================== latent-MoE tail
+
+__all__ += ["latent_moe_tail", "all_reduce"]
+
+
+def all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``t`` over ``group`` with a functional collective (traces under torch.compile);
+    ``group=None`` is tp=1: ``t`` itself. Never modifies ``t``."""
+    if group is None:
+        return t
+    import torch.distributed._functional_collectives as funcol
+
+    out = funcol.all_reduce(t, "sum", group)
+    # Eager gives an AsyncCollectiveTensor: wait now (a trace has already emitted the wait).
+    return out.trigger_wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def latent_moe_tail(
+    routed_latent: torch.Tensor,
+    shared: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    up_w: torch.Tensor,
+    group=None,
+    weight_in_fp32: bool = False,
+) -> torch.Tensor:
+    """The latent-MoE tail: ``all_reduce(shared) + rms_norm(all_reduce(routed_latent)) @ up_w.T``.
+
+    ``routed_latent [..., L]`` and ``shared [..., H]`` are this rank's partial sums over the
+    tensor-parallel ``group`` (``None``: tp=1, no collective); ``norm_w [L]``; ``up_w [H, L]``
+    is replicated on every rank. :func:`rms_norm` is cast-then-weight unless
+    ``weight_in_fp32``. Returns ``[..., H]``, the same on every rank; inputs are not modified.
+    """
+    h = rms_norm(all_reduce(routed_latent, group), norm_w, eps, weight_in_fp32)
+    return all_reduce(shared, group) + h @ up_w.T

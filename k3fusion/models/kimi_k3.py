@@ -27,21 +27,31 @@ either a Python list that grows (``attn_res_bank="list"``) or a preallocated
 :meth:`KimiK3DecoderLayer.apply_attn_res` (the contract of
 ``k3fusion.reference.attn_res``), a method so an eager patch can swap it.
 
-Planned extension (the config switch exists already, the model refuses it
-until it lands):
-
-* ``latent_moe`` -- a mixture of experts that runs in a down-projected latent
-  space.  It replaces ``KimiK3DecoderLayer.mlp`` (``KimiK3MLP``).
+``latent_moe=True`` replaces every layer's dense ``mlp`` (``KimiK3MLP``) with
+K3's normalized latent mixture of experts (:class:`KimiK3LatentMoE`): a sigmoid
+router whose ``e_score_correction_bias`` steers selection only, top-k weights
+renormalized; one replicated down-projection hidden -> latent; routed experts
+in latent width (SiTU-GLU, or plain SiLU-GLU); the latent sum RMS-normalized
+(``latent_norm``) and up-projected back (``up_proj``); plus shared experts on
+the full-width input.  Tensor parallelism: pass ``tp_group`` (a
+``torch.distributed`` process group) and every rank holds a ``1/tp`` slice of
+each expert's and the shared experts' intermediate width (load a tp=1
+checkpoint with :func:`tp_shard_state_dict`), so both the routed latent and
+the shared output are per-rank partial sums, all-reduced in the tail
+(:meth:`KimiK3LatentMoE.tail`) with functional collectives; everything else is
+replicated.  No group: tp=1, no collective.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -164,6 +174,17 @@ class KimiK3Config:
     attn_res_block_size: int = 12
     attn_res_bank: str = "list"
     attn_res_precision: str = "model"
+    # Latent MoE (used when latent_moe=True; defaults are the tiny widths).
+    num_experts: int = 4
+    top_k: int = 2
+    latent_size: int = 40
+    moe_intermediate_size: int = 32
+    num_shared_experts: int = 1
+    # "situ" (K3's SiTU-GLU, see situ_glu) or "silu" (plain SiLU-GLU).
+    activation: str = "situ"
+    beta: float = 4.0
+    beta_lin: float = 25.0
+    routed_scaling: float = 1.0
 
     _POSITIVE_INT_FIELDS = (
         "vocab_size",
@@ -209,6 +230,7 @@ class KimiK3Config:
                 f"KimiK3Config.attn_res_precision must be one of {ATTN_RES_PRECISIONS}, "
                 f"got {self.attn_res_precision!r}"
             )
+        _check_latent_moe_fields(self)
 
     @property
     def qk_head_dim(self) -> int:
@@ -257,6 +279,13 @@ class KimiK3Config:
             v_head_dim=128,
             intermediate_size=18432,
             rms_norm_eps=1e-6,
+            # Latent MoE: latent 3584 -> hidden 7168 (the issue's widths); the expert
+            # counts and widths are Kimi-K2's (384 experts, top 8, 2048, 1 shared).
+            latent_size=3584,
+            num_experts=384,
+            top_k=8,
+            moe_intermediate_size=2048,
+            num_shared_experts=1,
         )
         fields.update(overrides)
         return cls(**fields)
@@ -268,12 +297,10 @@ def attn_res_max_blocks(num_layers: int, block_size: int) -> int:
 
 
 def _check_supported(config: KimiK3Config) -> None:
-    # The switch exists so configs/CLIs can already carry it, but silently
-    # building a plain model for it would give wrong numerics.
-    if config.latent_moe:
-        raise NotImplementedError(
-            "KimiK3Config.latent_moe=True (latent mixture of experts) lands in a later release"
-        )
+    # Every switch of KimiK3Config is implemented (latent_moe landed); a future
+    # switch that is not yet must raise NotImplementedError here rather than
+    # silently build a model with other numerics.
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -370,6 +397,224 @@ class KimiK3MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# --------------------------------------------------------------------------
+# Latent mixture of experts (latent_moe=True)
+# --------------------------------------------------------------------------
+
+__all__ += [
+    "MOE_ACTIVATIONS",
+    "situ_glu",
+    "KimiK3GLU",
+    "KimiK3LatentMoE",
+    "tp_shard_state_dict",
+    "count_latent_moe_layers",
+]
+
+MOE_ACTIVATIONS: tuple[str, ...] = ("situ", "silu")
+
+# Init std of the router's e_score_correction_bias.
+_MOE_BIAS_STD = 0.02
+
+
+def _check_latent_moe_fields(c: KimiK3Config) -> None:
+    for name in ("num_experts", "top_k", "latent_size", "moe_intermediate_size"):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"KimiK3Config.{name} must be a positive int, got {value!r}")
+    n = c.num_shared_experts
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"KimiK3Config.num_shared_experts must be an int >= 0, got {n!r}")
+    if c.top_k > c.num_experts:
+        raise ValueError(
+            f"KimiK3Config.top_k ({c.top_k}) must not exceed num_experts ({c.num_experts})"
+        )
+    if c.activation not in MOE_ACTIVATIONS:
+        raise ValueError(
+            f"KimiK3Config.activation must be one of {MOE_ACTIVATIONS}, got {c.activation!r}"
+        )
+    for name in ("beta", "beta_lin", "routed_scaling"):
+        value = getattr(c, name)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"KimiK3Config.{name} must be a positive finite float, got {value!r}")
+
+
+def situ_glu(gate: Tensor, up: Tensor, beta: float = 4.0, beta_lin: float = 25.0) -> Tensor:
+    """K3's SiTU-GLU: ``beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin)``.
+
+    A SiLU whose linear branch is soft-capped at ``beta`` (``tanh(g/beta)*beta ~ g``
+    for ``|g| << beta``), times the up branch soft-capped at ``beta_lin``.
+    """
+    return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (beta_lin * torch.tanh(up / beta_lin))
+
+
+class KimiK3GLU(nn.Module):
+    """A gated MLP ``down(act(gate(x), up(x)))``: one routed expert (latent width) or
+    the shared experts (hidden width).  Under tensor parallelism it holds a slice of
+    the intermediate width and returns a partial sum."""
+
+    def __init__(
+        self,
+        in_features: int,
+        intermediate: int,
+        out_features: int,
+        activation: str = "situ",
+        beta: float = 4.0,
+        beta_lin: float = 25.0,
+    ) -> None:
+        super().__init__()
+        if activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+        self.gate_proj = nn.Linear(in_features, intermediate, bias=False)
+        self.up_proj = nn.Linear(in_features, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, out_features, bias=False)
+        self.activation = activation
+        self.beta = beta
+        self.beta_lin = beta_lin
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.activation == "situ":
+            h = situ_glu(gate, up, self.beta, self.beta_lin)
+        else:
+            h = F.silu(gate) * up
+        return self.down_proj(h)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+def _tp_size(group: object) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+class KimiK3LatentMoE(nn.Module):
+    """K3's normalized latent mixture of experts, optionally tensor-parallel.
+
+    For hidden states ``x [..., H]``::
+
+        scores  = sigmoid(router(x))                        # [T, E], fp32
+        experts = topk(scores + e_score_correction_bias, k) # the bias steers selection only
+        weights = scores[experts] / sum(scores[experts]) * routed_scaling
+        z       = down_proj(x)                              # [T, L], replicated
+        routed  = sum_k weights_k * expert_k(z)             # [T, L], a per-rank partial
+        shared  = shared_experts(x)                         # [T, H], a per-rank partial
+        y       = tail(routed, shared)                      # AR, latent_norm, up_proj, + AR
+
+    The routed sum runs every expert on every token and weights it by a combine
+    matrix that is zero off the top-k: the same function as gathering each
+    expert's tokens (an unselected expert adds exactly 0), with no data-dependent
+    shapes, so the layer traces whole under torch.compile.
+    """
+
+    def __init__(self, config: KimiK3Config, tp_group: object = None) -> None:
+        super().__init__()
+        c = config
+        tp = _tp_size(tp_group)
+        shared_inter = c.num_shared_experts * c.moe_intermediate_size
+        for name, width in (("moe_intermediate_size", c.moe_intermediate_size),
+                            ("num_shared_experts * moe_intermediate_size", shared_inter)):
+            if width % tp:
+                raise ValueError(f"{name} = {width} is not divisible by the tensor-parallel "
+                                 f"size {tp}")
+        self.tp_group = tp_group
+        self.tp_size = tp
+        self.num_experts = c.num_experts
+        self.top_k = c.top_k
+        self.routed_scaling = c.routed_scaling
+        self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
+        self.down_proj = nn.Linear(c.hidden_size, c.latent_size, bias=False)
+        self.experts = nn.ModuleList(
+            KimiK3GLU(c.latent_size, c.moe_intermediate_size // tp, c.latent_size,
+                      c.activation, c.beta, c.beta_lin)
+            for _ in range(c.num_experts)
+        )
+        self.shared_experts = (
+            KimiK3GLU(c.hidden_size, shared_inter // tp, c.hidden_size, c.activation, c.beta,
+                      c.beta_lin)
+            if shared_inter else None
+        )
+        self.latent_norm = KimiK3RMSNorm(c.latent_size, c.rms_norm_eps, c.norm_style)
+        self.up_proj = nn.Linear(c.latent_size, c.hidden_size, bias=False)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, H] -> (expert ids [T, k], weights [T, k] in fp32)."""
+        scores = torch.sigmoid(self.router(x).float())
+        biased = scores + self.e_score_correction_bias.float()
+        ids = torch.topk(biased, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights * self.routed_scaling
+
+    def routed_latent(self, x: Tensor) -> Tensor:
+        """x [T, H] -> this rank's partial sum of the weighted experts, [T, L]."""
+        ids, weights = self.route(x)
+        combine = torch.zeros(
+            x.shape[0], self.num_experts, dtype=torch.float32, device=x.device
+        ).scatter(1, ids, weights)
+        z = self.down_proj(x)
+        acc = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+        for e, expert in enumerate(self.experts):
+            acc = acc + combine[:, e : e + 1] * expert(z).float()
+        return acc.to(x.dtype)
+
+    def tail(self, routed_latent: Tensor, shared: Tensor) -> Tensor:
+        """``AR(shared) + up_proj(latent_norm(AR(routed_latent)))`` from per-rank partials.
+
+        A method, so an eager patch can swap it (the contract of
+        ``k3fusion.reference.latent_moe_tail``).
+        """
+        if self.tp_group is not None:
+            routed_latent = funcol.wait_tensor(funcol.all_reduce(routed_latent, "sum", self.tp_group))
+            shared = funcol.wait_tensor(funcol.all_reduce(shared, "sum", self.tp_group))
+        return shared + self.up_proj(self.latent_norm(routed_latent))
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        routed = self.routed_latent(x)
+        shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        return self.tail(routed, shared).view(shape)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, tp_size={self.tp_size}"
+
+
+# Expert weights sharded under TP: gate/up by rows (intermediate out), down by columns.
+_TP_SHARDED = re.compile(r"(^|\.)(experts\.\d+|shared_experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def tp_shard_state_dict(state_dict: dict[str, Tensor], rank: int, tp: int) -> dict[str, Tensor]:
+    """A tp=1 state dict cut down to rank ``rank`` of ``tp``'s shards (for a model built
+    with a ``tp_group`` of that size): every routed and shared expert keeps its
+    ``rank``-th slice of the intermediate width (``gate_proj``/``up_proj`` rows,
+    ``down_proj`` columns); everything else is replicated as is."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank must be in [0, tp={tp}), got {rank}")
+    out = {}
+    for key, value in state_dict.items():
+        m = _TP_SHARDED.search(key)
+        if m is None:
+            out[key] = value
+            continue
+        dim = 1 if m.group(3) == "down_proj" else 0
+        width = value.shape[dim]
+        if width % tp:
+            raise ValueError(f"{key}: width {width} is not divisible by tp={tp}")
+        out[key] = value.narrow(dim, rank * (width // tp), width // tp).clone()
+    return out
+
+
+def count_latent_moe_layers(model: nn.Module) -> int:
+    """Number of latent MoE modules (each has one tail)."""
+    return sum(isinstance(m, KimiK3LatentMoE) for m in model.modules())
+
+
 class KimiK3AttnRes(nn.Module):
     """One AttnRes site: a softmax mix over its sources, keyed by ``w . RMSNorm_g(v)``.
 
@@ -453,7 +698,7 @@ def apply_attn_res(
 
 
 class KimiK3DecoderLayer(nn.Module):
-    def __init__(self, config: KimiK3Config, layer_idx: int = 0) -> None:
+    def __init__(self, config: KimiK3Config, layer_idx: int = 0, tp_group: object = None) -> None:
         super().__init__()
         _check_supported(config)
         c = config
@@ -461,8 +706,8 @@ class KimiK3DecoderLayer(nn.Module):
         self.input_layernorm = KimiK3RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_style)
         self.self_attn = KimiK3Attention(c)
         self.post_attention_layernorm = KimiK3RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_style)
-        # latent_moe will replace this module.
-        self.mlp = KimiK3MLP(c)
+        # latent_moe: the latent mixture of experts (tensor-parallel over tp_group).
+        self.mlp = KimiK3LatentMoE(c, tp_group) if c.latent_moe else KimiK3MLP(c)
         self.use_attn_res = c.attn_res
         if c.attn_res:
             bs = c.attn_res_block_size
@@ -545,13 +790,14 @@ class KimiK3DecoderLayer(nn.Module):
 
 
 class KimiK3Model(nn.Module):
-    def __init__(self, config: KimiK3Config) -> None:
+    def __init__(self, config: KimiK3Config, tp_group: object = None) -> None:
         super().__init__()
         _check_supported(config)
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            KimiK3DecoderLayer(config, layer_idx) for layer_idx in range(config.num_layers)
+            KimiK3DecoderLayer(config, layer_idx, tp_group)
+            for layer_idx in range(config.num_layers)
         )
         self.norm = KimiK3RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style)
         if config.attn_res:
@@ -608,15 +854,20 @@ class KimiK3Model(nn.Module):
 
 
 class KimiK3ForCausalLM(nn.Module):
-    def __init__(self, config: KimiK3Config, *, seed: int | None = None) -> None:
+    def __init__(
+        self, config: KimiK3Config, *, seed: int | None = None, tp_group: object = None
+    ) -> None:
         """Build and initialize the model in ``config.dtype``.
 
         ``seed`` makes the init independent of the global RNG; without it the
         global RNG is used (so ``torch.manual_seed`` beforehand also works).
+        ``tp_group``: the latent MoE's tensor-parallel process group (None: tp=1);
+        the weights it then holds are this rank's shards (see
+        :func:`tp_shard_state_dict`).
         """
         super().__init__()
         self.config = config
-        self.model = KimiK3Model(config)
+        self.model = KimiK3Model(config, tp_group)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._init_weights(seed)
         self.to(config.dtype)
@@ -642,6 +893,12 @@ class KimiK3ForCausalLM(nn.Module):
                 w = module.proj.weight
                 std = _ATTN_RES_QUERY_STD / math.sqrt(w.shape[-1])
                 w.copy_(torch.randn(w.shape, generator=gen) * std)
+        # Latent-MoE correction biases (after the loops above, so models without
+        # latent_moe draw exactly as before): small, but enough to move selection.
+        for module in self.modules():
+            if isinstance(module, KimiK3LatentMoE):
+                b = module.e_score_correction_bias
+                b.copy_(torch.randn(b.shape, generator=gen) * _MOE_BIAS_STD)
 
     @property
     def mla_layers(self) -> int:
