@@ -29,15 +29,13 @@ Writes ``attn_res.json``, ``attn_res.md`` and ``attn_res.png`` to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .common import (base_parser, compile_uncached, environment, hf_rms_norm, plot_series,
+                     write_results)
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
 TOKENS = (1, 8, 32, 128, 512, 4096)
@@ -58,23 +56,16 @@ SWEEP_SOURCES_PER_TILE = (1, 2, 4)
 SWEEP_WARPS = (4, 8, 16)
 
 
-def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(dtype)
-
-
 def attn_res_chain(prefix, delta, bank, norm_w, proj_w, out_w):
     """The AttnRes step as a model writes it. ``proj_w`` is the ``Linear(H, 1)`` weight
     ``[1, H]``. Returns ``(new prefix, out)``; ``bank[:, WRITE_IDX]`` is written."""
     prefix = prefix + delta
     bank[:, WRITE_IDX] = prefix
     sources = torch.cat([bank[:, :NUM_BLOCKS], prefix.unsqueeze(1)], 1)   # [T, 9, H]
-    logits = F.linear(_hf_rms_norm(sources, norm_w, EPS), proj_w).squeeze(-1)  # [T, 9]
+    logits = F.linear(hf_rms_norm(sources, norm_w, EPS), proj_w).squeeze(-1)  # [T, 9]
     weights = logits.float().softmax(-1)
     mixed = (weights.to(sources.dtype).unsqueeze(-1) * sources).sum(1)  # model dtype
-    return prefix, _hf_rms_norm(mixed, out_w, EPS)
+    return prefix, hf_rms_norm(mixed, out_w, EPS)
 
 
 def fused_op(prefix, delta, bank, norm_w, proj_w, out_w):
@@ -132,20 +123,6 @@ def check_fused(args) -> None:
     assert_near_chain(out_f, out_e, "fused op vs eager chain")
 
 
-def _compiled(backend: str):
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    torch._dynamo.reset()
-    fn = torch.compile(lambda *args: attn_res_chain(*args), backend=backend, dynamic=False)
-
-    def call(*args):
-        with inductor_config.patch(fx_graph_cache=False), \
-                functorch_config.patch(enable_autograd_cache=False):
-            return fn(*args)
-    return call
-
-
 def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
     import k3fusion
     from k3fusion.kernels.attn_res import PREFILL_TOKENS, pick_launch_shape
@@ -159,7 +136,8 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
         check_fused(sets[0])
         k3fusion.reset_match_counts()
         variants = {"eager": attn_res_chain}
-        variants.update({name: _compiled(backend) for name, backend in compiled.items()})
+        variants.update({name: compile_uncached(attn_res_chain, backend)
+                         for name, backend in compiled.items()})
         variants["fused_op"] = fused_op
         shape = pick_launch_shape(t, HIDDEN, NUM_BLOCKS)
         row = {"T": t, "floor_us": hbm_floor_us(_bytes(t)), "input_sets": len(sets),
@@ -194,18 +172,6 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
     return {"bench": "attn_res", "hidden": HIDDEN, "num_blocks": NUM_BLOCKS,
             "prefill_tokens": PREFILL_TOKENS, "compiled": compiled, "rows": rows,
             **environment()}
-
-
-def environment() -> dict:
-    import triton
-
-    return {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-    }
 
 
 def markdown(result: dict) -> str:
@@ -244,48 +210,24 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ts = [r["T"] for r in result["rows"]]
     series = [("eager_us", "eager")]
     series += [(f"{c}_us", {"inductor": "default Inductor"}.get(c, c)) for c in result["compiled"]]
     series += [("fused_op_us", "fused op"), ("floor_us", "HBM floor")]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for key, label in series:
-        ax.plot(ts, [r[key] for r in result["rows"]], marker="o", label=label,
-                linestyle="--" if key == "floor_us" else "-")
-    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="us (CUDA-graph replay, median)",
-           title=f"AttnRes step (9 sources, H {result['hidden']}), bf16, {result['gpu']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_series(result, series,
+                f"AttnRes step (9 sources, H {result['hidden']}), bf16, {result['gpu']}", path)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3fusion.bench.attn_res")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
-    p.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
-    p.add_argument("--sweep", action="store_true", help="time every kernel launch shape")
+    p = base_parser("python -m k3fusion.bench.attn_res", TOKENS)
     p.add_argument("--compiled", action="append", default=[], metavar="BACKEND",
-                   help="also time torch.compile with this backend (e.g. k3fusion)")
+                   help="also time torch.compile with this backend")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     compiled = dict(COMPILED_VARIANTS)
     compiled.update({b: b for b in args.compiled})
     result = run(args.tokens, args.sweep, compiled)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "attn_res.json").write_text(json.dumps(result, indent=2))
-    (args.out / "attn_res.md").write_text(markdown(result))
-    try:
-        plot(result, args.out / "attn_res.png")
-    except ImportError:
-        print("matplotlib missing (pip install k3fusion[bench]): no plot")
-    print(markdown(result))
+    write_results(args.out, "attn_res", result, markdown(result), plot)
     return 0
 
 

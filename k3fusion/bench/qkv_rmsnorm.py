@@ -14,14 +14,12 @@ Writes ``qkv_rmsnorm.json``, ``qkv_rmsnorm.md`` and ``qkv_rmsnorm.png`` to ``--o
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
 from pathlib import Path
 
 import torch
 
+from .common import (base_parser, compile_uncached, environment, hf_rms_norm, plot_series,
+                     write_results)
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
 TOKENS = (1, 8, 32, 128, 512, 4096, 16384)
@@ -29,16 +27,9 @@ Q_LORA, KV_LORA, ROPE = 1536, 512, 64
 EPS = 1e-6
 
 
-def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(dtype)
-
-
 def qkv_norms(q_c, q_w, kv, kv_w):
     kv_c, _ = kv.split([KV_LORA, ROPE], dim=-1)
-    return _hf_rms_norm(q_c, q_w, EPS), _hf_rms_norm(kv_c, kv_w, EPS)
+    return hf_rms_norm(q_c, q_w, EPS), hf_rms_norm(kv_c, kv_w, EPS)
 
 
 def _inputs(t: int, device: str = "cuda"):
@@ -52,20 +43,6 @@ def _inputs(t: int, device: str = "cuda"):
 
 def _bytes(t: int) -> int:
     return 2 * (2 * t * (Q_LORA + KV_LORA) + Q_LORA + KV_LORA)
-
-
-def _compiled(backend: str):
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    torch._dynamo.reset()
-    fn = torch.compile(lambda *args: qkv_norms(*args), backend=backend, dynamic=False)
-
-    def call(*args):
-        with inductor_config.patch(fx_graph_cache=False), \
-                functorch_config.patch(enable_autograd_cache=False):
-            return fn(*args)
-    return call
 
 
 def run(tokens=TOKENS, sweep: bool = False) -> dict:
@@ -83,8 +60,8 @@ def run(tokens=TOKENS, sweep: bool = False) -> dict:
         k3fusion.reset_match_counts()
         variants = {
             "eager": qkv_norms,
-            "inductor": _compiled("inductor"),
-            "k3fusion": _compiled("k3fusion"),
+            "inductor": compile_uncached(qkv_norms, "inductor"),
+            "k3fusion": compile_uncached(qkv_norms, "k3fusion"),
             "fused_op": fused_op,
         }
         row = {"T": t, "floor_us": hbm_floor_us(_bytes(t)), "input_sets": len(sets)}
@@ -112,18 +89,6 @@ def run(tokens=TOKENS, sweep: bool = False) -> dict:
     return {"bench": "qkv_rmsnorm", "rows": rows, **environment()}
 
 
-def environment() -> dict:
-    import triton
-
-    return {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-    }
-
-
 def markdown(result: dict) -> str:
     lines = [
         f"q/kv RMSNorm pair, q 1536 + kv 512-of-576, bf16. {result['gpu']}, {result['date']}, "
@@ -143,42 +108,17 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ts = [r["T"] for r in result["rows"]]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for key, label in (("eager_us", "eager"), ("inductor_us", "default Inductor"),
-                       ("k3fusion_us", "k3fusion"), ("floor_us", "HBM floor")):
-        ax.plot(ts, [r[key] for r in result["rows"]], marker="o", label=label,
-                linestyle="--" if key == "floor_us" else "-")
-    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="us (CUDA-graph replay, median)",
-           title=f"MLA q/kv RMSNorm pair, bf16, {result['gpu']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_series(result, [("eager_us", "eager"), ("inductor_us", "default Inductor"),
+                         ("k3fusion_us", "k3fusion"), ("floor_us", "HBM floor")],
+                f"MLA q/kv RMSNorm pair, bf16, {result['gpu']}", path)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3fusion.bench.qkv_rmsnorm")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
-    p.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
-    p.add_argument("--sweep", action="store_true")
-    args = p.parse_args(argv)
+    args = base_parser("python -m k3fusion.bench.qkv_rmsnorm", TOKENS).parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     result = run(args.tokens, args.sweep)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "qkv_rmsnorm.json").write_text(json.dumps(result, indent=2))
-    (args.out / "qkv_rmsnorm.md").write_text(markdown(result))
-    try:
-        plot(result, args.out / "qkv_rmsnorm.png")
-    except ImportError:
-        print("matplotlib missing (pip install k3fusion[bench]): no plot")
-    print(markdown(result))
+    write_results(args.out, "qkv_rmsnorm", result, markdown(result), plot)
     return 0
 
 

@@ -1,0 +1,93 @@
+"""What every benchmark shares: the model-style norm, uncached compiles, the run's
+environment, and writing JSON / markdown / PNG results."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["hf_rms_norm", "compile_uncached", "environment", "base_parser", "write_results",
+           "plot_series"]
+
+
+def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF model code writes it (what the graph passes must recognize)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x.to(dtype)
+
+
+def compile_uncached(fn: Callable, backend: str) -> Callable:
+    """``torch.compile(fn, backend=backend)``, compiled with the graph caches off: a cache
+    hit would skip the k3fusion pass (no fusion, no match count)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *args: fn(*args), backend=backend, dynamic=False)
+
+    def call(*args):
+        with inductor_config.patch(fx_graph_cache=False), \
+                functorch_config.patch(enable_autograd_cache=False):
+            return compiled(*args)
+    return call
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def base_parser(prog: str, tokens) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    p.add_argument("--tokens", type=int, nargs="*", default=list(tokens))
+    p.add_argument("--sweep", action="store_true", help="time every kernel launch shape")
+    return p
+
+
+def write_results(out: Path, name: str, result: dict, markdown: str,
+                  plot: Callable[[dict, Path], None]) -> None:
+    """``name``.json, .md and .png in ``out``; prints the markdown table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{name}.md").write_text(markdown)
+    try:
+        plot(result, out / f"{name}.png")
+    except ImportError:
+        print("matplotlib missing (pip install k3fusion[bench]): no plot")
+    print(markdown)
+
+
+def plot_series(result: dict, series: list[tuple[str, str]], title: str, path: Path) -> None:
+    """Log-log plot of microseconds against T, one line per ``(row key, label)``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ts = [r["T"] for r in result["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, label in series:
+        ax.plot(ts, [r[key] for r in result["rows"]], marker="o", label=label,
+                linestyle="--" if key == "floor_us" else "-")
+    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="us (CUDA-graph replay, median)",
+           title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
