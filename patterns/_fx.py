@@ -14,7 +14,7 @@ prims = torch.ops.prims
 __all__ = [
     "NoMatch", "aten", "prims", "is_op", "strip_casts", "matmul_operands", "val", "dtype_of", "operands", "only_user",
     "is_graph_input", "external_users", "hoist_before", "fake_call",
-    "erase_unused", "VIEW_OPS",
+    "erase_unused", "VIEW_OPS", "plan_size_reads", "apply_size_reads",
 ]
 
 # Ops that only reinterpret memory: walking through them keeps "the same value".
@@ -108,10 +108,53 @@ def is_graph_input(node: object) -> bool:
     return isinstance(node, Node) and node.op in ("placeholder", "get_attr")
 
 
+# Reads of a tensor's size (dynamic shapes): they need the size, not the value, so a
+# chain they read can still be replaced once they read the size from a surviving tensor.
+_SIZE_READS = (aten.sym_size.int,)
+
+
 def external_users(nodes: Iterable[Node], output: Node) -> list[tuple[Node, Node]]:
-    """(intermediate, user) pairs where a user lies outside ``nodes``."""
+    """(intermediate, user) pairs where a user outside ``nodes`` reads the value."""
     inside = set(nodes)
-    return [(n, u) for n in inside if n is not output for u in n.users if u not in inside]
+    return [(n, u) for n in inside if n is not output for u in n.users
+            if u not in inside and not is_op(u, *_SIZE_READS)]
+
+
+def plan_size_reads(nodes: Iterable[Node], survivors: Iterable[Node]) -> list[tuple[Node, tuple]]:
+    """For every size read of a node about to be erased: new args reading the same
+    symbolic size from a surviving tensor. Raises NoMatch if one has no such survivor.
+
+    ``survivors`` must be defined before any of the reads (inputs of the chain are).
+    """
+    inside, plan = set(nodes), []
+    survivors = [s for s in survivors if isinstance(s, Node)
+                 and isinstance(s.meta.get("val"), torch.Tensor)]
+    for n in inside:
+        for u in n.users:
+            if u in inside or not is_op(u, *_SIZE_READS):
+                continue
+            want = val(n).shape[u.args[1]]
+            for s in survivors:
+                dims = [k for k, size in enumerate(val(s).shape) if _same_size(size, want)]
+                if dims:
+                    plan.append((u, (s, dims[0])))
+                    break
+            else:
+                raise NoMatch(f"{u.name} reads a size ({want}) of {n.name} that no surviving "
+                              f"tensor has: {[(s.name, tuple(val(s).shape)) for s in survivors]}")
+    return plan
+
+
+def _same_size(a, b) -> bool:
+    """Whether two (symbolic) sizes are provably equal, without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def apply_size_reads(plan: list[tuple[Node, tuple]]) -> None:
+    for user, args in plan:
+        user.args = args
 
 
 def hoist_before(graph: Graph, needed: Iterable[Node], point: Node) -> None:

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from ._fx import (NoMatch, aten, dtype_of, erase_unused, external_users, fake_call,
-                  hoist_before, is_graph_input, is_op, matmul_operands, only_user, operands,
-                  prims, val)
+from ._fx import (NoMatch, apply_size_reads, aten, dtype_of, erase_unused, external_users,
+                  fake_call, hoist_before, is_graph_input, is_op, matmul_operands, only_user,
+                  operands, plan_size_reads, prims, val)
 from .rms_norm import RMSNormMatch, inverse_rms, parameter_weight, same_input, upcast_input
 
 __all__ = ["FUSION_NAME", "AttnResSite", "match_attn_res", "fuse_attn_res"]
@@ -355,8 +355,9 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
                 misses.append(f"softmax {div.name}: {e}")
             continue
         out_norm = by_input.get(site.mixed)
-        if out_norm is not None and (len(site.mixed.users) != 1 or out_norm.out in claimed):
-            out_norm = None
+        if out_norm is not None and (any(u not in out_norm.nodes for u in site.mixed.users)
+                                     or out_norm.out in claimed):
+            out_norm = None  # the mix is read elsewhere too (an fp32 norm reads it twice)
         handoff = _delta_of(site.prefix)
         prefix_in, delta = handoff if handoff else (site.prefix, None)
 
@@ -380,6 +381,13 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
             return (prefix_in, bank, site.num_blocks, site.norm_w, proj, eps, delta, out_w,
                     out_eps, out_fp32, eps_t, out_eps_t)
 
+        try:  # size reads of the chain (dynamic shapes) move to tensors that stay
+            size_reads = plan_size_reads(
+                list(site_nodes) + ([site.prefix] if delta else []),
+                [prefix_in, delta, *(site.blocks or []), site.bank])  # defined before the reads
+        except NoMatch as e:
+            misses.append(f"softmax {div.name}: {e}")
+            continue
         try:  # the op's own checks (dtypes, strides, devices) before the graph is touched
             if site.blocks:  # what _BlockStacks will build: the blocks stacked on dim -2
                 fake_bank = fake_call(aten.cat.default, (
@@ -412,6 +420,7 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
                 results.append(r)
         for old, new in zip(outputs, results):
             old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in site_nodes)
+        apply_size_reads(size_reads)
         erase_unused(graph, list(site_nodes) + ([site.prefix] if delta else []))
         claimed |= site_nodes  # the key norm and the output norm are part of the site now
         fused += 1

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from ._fx import (VIEW_OPS, NoMatch, erase_unused, fake_call, hoist_before, is_op,
-                  matmul_operands)
+from ._fx import (VIEW_OPS, NoMatch, apply_size_reads, erase_unused, fake_call, hoist_before,
+                  is_op, matmul_operands, plan_size_reads)
 from .rms_norm import RMSNormMatch
 
 __all__ = ["FUSION_NAME", "REGION_INPUTS", "pairing_source", "pair_qkv_norms", "fuse_qkv_rmsnorm"]
@@ -122,6 +122,7 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
         fused_val = fake_call(op, args)
     except (TypeError, ValueError) as e:
         raise NoMatch(f"the fused op refuses these inputs: {e}") from None
+    size_reads = plan_size_reads(a.nodes + b.nodes, [a.x, b.x])  # defined before the reads
     order = {n: i for i, n in enumerate(graph.nodes)}
     point = min((u for m in (a, b) for u in m.out.users), key=order.__getitem__)
     hoist_before(graph, [a.x, a.weight, b.x, b.weight], point)
@@ -132,6 +133,7 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
     for i, (norm, y) in enumerate(zip((a, b), outs)):
         y.meta["val"] = fused.meta["val"][i]
         norm.out.replace_all_uses_with(y)
+    apply_size_reads(size_reads)
     erase_unused(graph, a.nodes + b.nodes)
 
 
