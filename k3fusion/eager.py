@@ -386,10 +386,12 @@ class _FusedAttnResStep:
 
     def __call__(self, prefix, bank, res, num_blocks, *, delta=None, output_norm=None,
                  block_write_idx=-1):
+        if torch.compiler.is_compiling():  # the graph pass owns this case; probe nothing
+            return self.original(prefix, bank, res, num_blocks, delta=delta,
+                                 output_norm=output_norm, block_write_idx=block_write_idx)
         res_spec = self._spec(res, attn_res_spec)
         out_spec = self._spec(output_norm, rms_norm_spec)
-        if (torch.compiler.is_compiling() or not res_spec
-                or (output_norm is not None and not out_spec)):
+        if not res_spec or (output_norm is not None and not out_spec):
             return self.original(prefix, bank, res, num_blocks, delta=delta,
                                  output_norm=output_norm, block_write_idx=block_write_idx)
         out_w, out_eps, out_fp32 = ((out_spec.weight, out_spec.eps, out_spec.weight_in_fp32)
@@ -439,6 +441,8 @@ def _patch_attn_res(module: nn.Module) -> str | None:
 
 __all__ += ["MoETailRunner", "moe_tail_runners"]
 
+from .config import get_config  # noqa: E402
+
 
 class MoETailRunner(nn.Module):
     """The latent-MoE tail ``AR(shared) + up_proj(norm(AR(routed_latent)))`` through the
@@ -471,6 +475,9 @@ class MoETailRunner(nn.Module):
         self._eps, self._weight_in_fp32 = spec.eps, spec.weight_in_fp32
         self.tier = None if tier is None else moe_tail._as_tier(tier)
         self.last_tier = None
+        # Load the config now (reads the environment): a first load inside a compiled
+        # region would not trace.
+        get_config()
         self.tier_counts: dict[str, int] = {}
 
     def forward(self, routed_latent: torch.Tensor, shared: torch.Tensor, *,

@@ -338,11 +338,89 @@ class _BlockStacks:
         return self.stacks[key]
 
 
+@dataclass
+class _Rewrite:
+    """Everything the rewrite of one site needs, checked before the graph is touched."""
+
+    site: AttnResSite
+    prefix_in: Node           # the prefix before the folded add (or the prefix itself)
+    delta: Node | None
+    out_norm: RMSNormMatch | None
+    outputs: list[Node]       # values the op replaces: [out] or [out, updated prefix]
+    erase: set[Node]          # nodes the op makes dead
+    point: Node               # the op goes right before this node
+    size_reads: list
+
+
+def _plan(graph: Graph, site: AttnResSite, by_input: dict[Node, RMSNormMatch],
+          claimed: set[Node]) -> _Rewrite:
+    """Decide the folds and check the op accepts the site; raises NoMatch saying why not."""
+    out_norm = by_input.get(site.mixed)
+    if out_norm is not None and (any(u not in out_norm.nodes for u in site.mixed.users)
+                                 or out_norm.out in claimed):
+        out_norm = None  # the mix is read elsewhere too (an fp32 norm reads it twice: fine)
+    handoff = _delta_of(site.prefix)
+    prefix_in, delta = handoff if handoff else (site.prefix, None)
+    outputs = [site.mixed if out_norm is None else out_norm.out] + ([site.prefix] if delta else [])
+    inside = set(site.nodes) | set(out_norm.nodes if out_norm else ())
+    erase = inside | ({site.prefix} if delta else set())
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    readers = [u for o in outputs for u in o.users if u not in inside]
+    if not readers:
+        raise NoMatch("result unused")
+    # Size reads of the chain (dynamic shapes) move to its inputs, defined before them.
+    size_reads = plan_size_reads(erase, [prefix_in, delta, *(site.blocks or []), site.bank])
+    plan = _Rewrite(site, prefix_in, delta, out_norm, outputs, erase,
+                    min(readers, key=order.__getitem__), size_reads)
+    try:  # the op's own checks (dtypes, strides, devices), on fake values
+        if site.blocks:  # what _BlockStacks will build: the blocks stacked on dim -2
+            bank = fake_call(aten.cat.default, (
+                [fake_call(aten.unsqueeze.default, (b, -2)) for b in site.blocks], -2))
+        elif site.blocks is not None:
+            bank = fake_call(aten.unsqueeze.default, (prefix_in, -2))
+        else:
+            bank = site.bank
+        proj = fake_call(aten.view.default, (site.proj_w, [val(site.proj_w).shape[-1]]))
+        fake_call(torch.ops.k3fusion.attn_res.default, _op_args(plan, bank, proj))
+    except (TypeError, ValueError) as e:
+        raise NoMatch(f"the fused op refuses these inputs: {e}") from None
+    return plan
+
+
+def _op_args(plan: _Rewrite, bank, proj) -> tuple:
+    site, norm = plan.site, plan.out_norm
+    eps, eps_t = _eps_args(site.eps)
+    out_eps, out_eps_t = _eps_args(norm.eps) if norm else (1e-6, None)
+    return (plan.prefix_in, bank, site.num_blocks, site.norm_w, proj, eps, plan.delta,
+            norm.weight if norm else None, out_eps, norm.weight_in_fp32 if norm else False,
+            eps_t, out_eps_t)
+
+
+def _rewrite(graph: Graph, plan: _Rewrite, stacks: _BlockStacks) -> None:
+    site = plan.site
+    needed = [plan.prefix_in, site.norm_w, site.proj_w] + ([plan.delta] if plan.delta else [])
+    needed += site.blocks if site.blocks is not None else [site.bank]
+    hoist_before(graph, needed, plan.point)  # raises NoMatch before changing anything
+    bank = (stacks.get(site.blocks, plan.prefix_in, plan.point) if site.blocks is not None
+            else site.bank)
+    with graph.inserting_before(plan.point):
+        proj = _call(graph, aten.view.default, (site.proj_w, [val(site.proj_w).shape[-1]]))
+        node = _call(graph, torch.ops.k3fusion.attn_res.default, _op_args(plan, bank, proj))
+        results = []
+        for i in range(len(plan.outputs)):
+            r = graph.call_function(operator.getitem, (node, i))
+            r.meta["val"] = node.meta["val"][i]
+            results.append(r)
+    for old, new in zip(plan.outputs, results):
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in plan.erase)
+    apply_size_reads(plan.size_reads)
+    erase_unused(graph, plan.erase)
+
+
 def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RMSNormMatch], list[str]]:
     """Replace every AttnRes site; returns (sites fused, norms still unclaimed, misses)."""
     import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
 
-    op = torch.ops.k3fusion.attn_res.default
     claimed: set[Node] = set()
     by_input = {m.x: m for m in norms}
     stacks = _BlockStacks(graph)
@@ -354,75 +432,13 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
             if is_op(div.args[0], aten.exp.default):  # a softmax: say why it is not a site
                 misses.append(f"softmax {div.name}: {e}")
             continue
-        out_norm = by_input.get(site.mixed)
-        if out_norm is not None and (any(u not in out_norm.nodes for u in site.mixed.users)
-                                     or out_norm.out in claimed):
-            out_norm = None  # the mix is read elsewhere too (an fp32 norm reads it twice)
-        handoff = _delta_of(site.prefix)
-        prefix_in, delta = handoff if handoff else (site.prefix, None)
-
-        outputs = [site.mixed if out_norm is None else out_norm.out] + ([site.prefix] if delta else [])
-        site_nodes = set(site.nodes) | set(out_norm.nodes if out_norm else ())
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        readers = [u for o in outputs for u in o.users if u not in site_nodes]
-        if not readers:
-            misses.append(f"softmax {div.name}: result unused")
-            continue
-        point = min(readers, key=order.__getitem__)
-        eps, eps_t = _eps_args(site.eps)
-        if out_norm is not None:
-            out_eps, out_eps_t = _eps_args(out_norm.eps)
-            out_w, out_fp32 = out_norm.weight, out_norm.weight_in_fp32
-        else:
-            out_eps, out_eps_t, out_w, out_fp32 = 1e-6, None, None, False
-        width = val(site.proj_w).shape[-1]
-
-        def op_args(bank, proj):
-            return (prefix_in, bank, site.num_blocks, site.norm_w, proj, eps, delta, out_w,
-                    out_eps, out_fp32, eps_t, out_eps_t)
-
-        try:  # size reads of the chain (dynamic shapes) move to tensors that stay
-            size_reads = plan_size_reads(
-                list(site_nodes) + ([site.prefix] if delta else []),
-                [prefix_in, delta, *(site.blocks or []), site.bank])  # defined before the reads
-        except NoMatch as e:
-            misses.append(f"softmax {div.name}: {e}")
-            continue
-        try:  # the op's own checks (dtypes, strides, devices) before the graph is touched
-            if site.blocks:  # what _BlockStacks will build: the blocks stacked on dim -2
-                fake_bank = fake_call(aten.cat.default, (
-                    [fake_call(aten.unsqueeze.default, (b, -2)) for b in site.blocks], -2))
-            elif site.blocks is not None:
-                fake_bank = fake_call(aten.unsqueeze.default, (prefix_in, -2))
-            else:
-                fake_bank = site.bank
-            fake_call(op, op_args(fake_bank, fake_call(aten.view.default, (site.proj_w, [width]))))
-        except (TypeError, ValueError) as e:
-            misses.append(f"softmax {div.name}: the fused op refuses these inputs: {e}")
-            continue
-        needed = [prefix_in, site.norm_w, site.proj_w] + ([delta] if delta else [])
-        needed += site.blocks if site.blocks is not None else [site.bank]
         try:
-            hoist_before(graph, needed, point)
+            plan = _plan(graph, site, by_input, claimed)
+            _rewrite(graph, plan, stacks)
         except NoMatch as e:
             misses.append(f"softmax {div.name}: {e}")
             continue
-
-        bank = (stacks.get(site.blocks, prefix_in, point) if site.blocks is not None
-                else site.bank)
-        with graph.inserting_before(point):
-            proj = _call(graph, aten.view.default, (site.proj_w, [width]))
-            node = _call(graph, op, op_args(bank, proj))
-            results = []
-            for i, old in enumerate(outputs):
-                r = graph.call_function(operator.getitem, (node, i))
-                r.meta["val"] = node.meta["val"][i]
-                results.append(r)
-        for old, new in zip(outputs, results):
-            old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in site_nodes)
-        apply_size_reads(size_reads)
-        erase_unused(graph, list(site_nodes) + ([site.prefix] if delta else []))
-        claimed |= site_nodes  # the key norm and the output norm are part of the site now
+        claimed |= plan.erase  # the key norm and the output norm are part of the site now
         fused += 1
     left = [m for m in norms if m.out not in claimed]
     return fused, left, misses

@@ -93,13 +93,6 @@ def test_config_validation(change: dict[str, object], field: str) -> None:
         KimiK3Config.tiny(**change)
 
 
-@pytest.mark.parametrize("flag", ["latent_moe"])  # attn_res landed: tests/test_model_attn_res.py
-def test_future_features_refused(flag: str) -> None:
-    cfg = KimiK3Config.tiny(**{flag: True})  # the config itself is fine
-    with pytest.raises(NotImplementedError, match="later release"):
-        KimiK3ForCausalLM(cfg)
-
-
 # ---------------------------------------------------------------- RMSNorm styles
 
 

@@ -90,11 +90,6 @@ def test_config_defaults_and_max_blocks() -> None:
         assert KimiK3Config.tiny(num_layers=layers, attn_res_block_size=bs).attn_res_max_blocks == nb
 
 
-def test_latent_moe_still_refused() -> None:
-    with pytest.raises(NotImplementedError, match="later release"):
-        KimiK3ForCausalLM(KimiK3Config.tiny(attn_res=True, latent_moe=True))
-
-
 # ---------------------------------------------------------------- structure
 
 

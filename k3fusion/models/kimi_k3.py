@@ -168,7 +168,7 @@ class KimiK3Config:
     dtype: torch.dtype = torch.bfloat16
     # Block Attention Residuals (see the module docstring).
     attn_res: bool = False
-    # Not implemented yet; the model raises NotImplementedError if set.
+    # Normalized latent MoE instead of the dense MLP (see KimiK3LatentMoE).
     latent_moe: bool = False
     # Layers per AttnRes block (K3: 12); the embedding is block 0.
     attn_res_block_size: int = 12

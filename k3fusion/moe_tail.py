@@ -1,0 +1,466 @@
+"""The latent-MoE tail, tiered: ``all_reduce(shared) + rms_norm(all_reduce(routed)) @ up_w.T``.
+
+The op contract is ``k3fusion.reference.latent_moe_tail`` (``DESIGN.md``, "Op contracts"):
+``routed_latent [..., L]`` and ``shared [..., H]`` are per-rank partial sums over the
+tensor-parallel group, ``up_w [H, L]`` is replicated. Every tier computes that function;
+they differ in where the up-projection FLOPs and the collectives go:
+
+``TAIL_FUSION``
+    Small T: one fused kernel (norm prologue, skinny up-projection, shared add). Only
+    where a registered implementation supports the platform and tp
+    (:func:`register_tail_fusion`); none is registered on CPU, so there it is never
+    selected and forcing it is an error.
+``ALLREDUCE_OVERLAP``
+    The shared-expert all-reduce runs concurrently with the replicated up-projection:
+    on CUDA on a side stream ordered by events (no host sync, CUDA-graph safe); on CPU
+    (gloo) it is issued asynchronously before the routed path and waited for after the
+    GEMM -- the same math, in the same order of operations as the reference.
+``COLUMN_PARALLEL``
+    Each rank up-projects only its ``H/tp`` output columns straight into its own shared
+    partial (``addmm_`` beta-add), and the one final all-reduce both sums the ranks and
+    stitches the shards: ``1/tp`` of the up-projection FLOPs and one all-reduce of
+    ``[T, H]`` instead of two. Needs ``H % tp == 0``.
+``REPLICATED``
+    The plain baseline (what a model writes): both all-reduces, norm, full GEMM, add.
+    The fallback when nothing better is available.
+
+Selection (:func:`select_tier`) looks only at the token count T and static facts
+(hidden size, tp, device type, config), so every rank of a group picks the same tier
+without communicating -- a tier that differed between ranks would deadlock or mix
+partial and reduced sums. Rules, in order (``config`` is :class:`k3fusion.FusionConfig`):
+
+1. a forced tier (the ``tier`` argument, else ``config.moe_tail_tier``) is used if it is
+   available and raises :class:`TierUnavailableError` otherwise;
+2. ``config.moe_tail`` off -> ``REPLICATED``;
+3. ``0 < T <= fused_tail_max_tokens`` and ``TAIL_FUSION`` available -> ``TAIL_FUSION``;
+4. ``T <= shared_experts_stream_token_threshold`` and not
+   ``disable_shared_experts_stream`` -> ``ALLREDUCE_OVERLAP``;
+5. ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
+
+Collectives are ``torch.distributed._functional_collectives`` (``_c10d_functional.
+all_reduce`` + ``wait_tensor`` in a trace), so every tier also traces under
+torch.compile. Under torch.compile an automatically selected tail is emitted in its plain
+(``REPLICATED``) form, which the graph pass owns; a forced tier is traced as is.
+
+Which tier ran: :func:`tier_counts` (per tier, since :func:`reset_tier_counts`; eager
+calls only), and a log line per call on ``logging.getLogger("k3fusion")`` (DEBUG, or INFO
+with ``K3FUSION_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from . import reference
+from .config import FusionConfig, get_config
+from .ops import check_rms_norm_args
+
+__all__ = [
+    "Tier", "TierUnavailableError", "TailFusionImpl", "register_tail_fusion",
+    "unregister_tail_fusion", "tail_fusion_impls", "tier_unavailable_reason",
+    "available_tiers", "select_tier", "latent_moe_tail", "run_latent_moe_tail",
+    "check_latent_moe_tail_args", "tier_counts", "reset_tier_counts", "tp_size_and_rank",
+]
+
+log = logging.getLogger("k3fusion")
+
+
+class Tier(str, enum.Enum):
+    """Implementations of the latent-MoE tail (values are ``FusionConfig.moe_tail_tier``)."""
+
+    TAIL_FUSION = "tail_fusion"
+    ALLREDUCE_OVERLAP = "allreduce_overlap"
+    COLUMN_PARALLEL = "column_parallel"
+    REPLICATED = "replicated"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TierUnavailableError(ValueError):
+    """A forced tier cannot run this call (says which tier, the call's facts and why)."""
+
+
+# ---------------------------------------------------------------------- fused-tail registry
+
+
+@dataclass(frozen=True)
+class TailFusionImpl:
+    """One fused-tail implementation (the GPU step registers the Triton kernel).
+
+    ``supports(tokens, hidden, tp, device)`` returns None when it can run such a call,
+    else why not (it must depend on static facts and T only, like the selection).
+    ``run(routed_latent [T, L], shared [T, H], norm_w, eps, up_w, group, weight_in_fp32)``
+    returns ``[T, H]`` and must not modify its inputs.
+    """
+
+    name: str
+    supports: Callable[[int, int, int, torch.device], Optional[str]]
+    run: Callable[..., torch.Tensor]
+
+
+_TAIL_FUSION_IMPLS: list[TailFusionImpl] = []
+
+
+def register_tail_fusion(impl: TailFusionImpl) -> None:
+    """Make ``impl`` a candidate for ``TAIL_FUSION`` (first registered that supports a call runs)."""
+    if not isinstance(impl, TailFusionImpl):
+        raise TypeError(f"impl must be a TailFusionImpl, got {type(impl).__name__}")
+    if any(i.name == impl.name for i in _TAIL_FUSION_IMPLS):
+        raise ValueError(f"a tail-fusion implementation named {impl.name!r} is registered already")
+    _TAIL_FUSION_IMPLS.append(impl)
+
+
+def unregister_tail_fusion(name: str) -> None:
+    """Remove the implementation registered as ``name`` (KeyError if there is none)."""
+    for i, impl in enumerate(_TAIL_FUSION_IMPLS):
+        if impl.name == name:
+            del _TAIL_FUSION_IMPLS[i]
+            return
+    raise KeyError(name)
+
+
+def tail_fusion_impls() -> tuple[TailFusionImpl, ...]:
+    return tuple(_TAIL_FUSION_IMPLS)
+
+
+def _tail_fusion_impl(tokens: int, hidden: int, tp: int, device: torch.device):
+    """(the first implementation supporting the call, None) or (None, why none does)."""
+    if not _TAIL_FUSION_IMPLS:
+        return None, (f"no fused-tail implementation supports device {device.type!r}, tp={tp}: "
+                      "none is registered (the Triton kernel lands with the GPU step)")
+    whys = []
+    for impl in _TAIL_FUSION_IMPLS:
+        why = impl.supports(tokens, hidden, tp, device)
+        if why is None:
+            return impl, None
+        whys.append(f"{impl.name}: {why}")
+    return None, "no fused-tail implementation supports the call (" + "; ".join(whys) + ")"
+
+
+# ---------------------------------------------------------------------- selection
+
+
+def _device(device) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def _check_facts(tokens, hidden, tp) -> None:
+    for name, value, low in (("tokens", tokens, 0), ("hidden", hidden, 1), ("tp", tp, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def tier_unavailable_reason(tier, tokens: int, hidden: int, tp: int, device) -> str | None:
+    """None if ``tier`` can compute a call with these facts, else why it cannot."""
+    tier = _as_tier(tier)
+    _check_facts(tokens, hidden, tp)
+    device = _device(device)
+    if tier is Tier.TAIL_FUSION:
+        return _tail_fusion_impl(tokens, hidden, tp, device)[1]
+    if tier is Tier.COLUMN_PARALLEL and hidden % tp:
+        return (f"hidden size H={hidden} is not divisible by tp={tp}: the up-projection "
+                "columns cannot be split evenly across ranks")
+    return None
+
+
+def available_tiers(tokens: int, hidden: int, tp: int, device) -> tuple[Tier, ...]:
+    """The tiers that can compute a call with ``tokens`` rows, ``hidden`` width, ``tp`` ranks."""
+    return tuple(t for t in Tier if tier_unavailable_reason(t, tokens, hidden, tp, device) is None)
+
+
+def _as_tier(tier) -> Tier:
+    if isinstance(tier, Tier):
+        return tier
+    try:
+        return Tier(str(tier).lower())
+    except ValueError:
+        raise ValueError(f"unknown latent-MoE tail tier {tier!r}; one of "
+                         f"{[t.value for t in Tier]}") from None
+
+
+def _select(tokens, hidden, tp, device, config: FusionConfig | None, force) -> tuple[Tier, str]:
+    """(tier, why): the rules of the module docstring."""
+    config = get_config() if config is None else config
+    if not isinstance(config, FusionConfig):
+        raise TypeError(f"config must be a FusionConfig, got {type(config).__name__}")
+    _check_facts(tokens, hidden, tp)
+    device = _device(device)
+    if force is not None:
+        forced, by = _as_tier(force), "the tier argument"
+    elif config.moe_tail_tier != "auto":
+        forced, by = _as_tier(config.moe_tail_tier), "FusionConfig.moe_tail_tier (K3FUSION_MOE_TAIL_TIER)"
+    else:
+        forced = None
+    if forced is not None:
+        why = tier_unavailable_reason(forced, tokens, hidden, tp, device)
+        if why is not None:
+            raise TierUnavailableError(
+                f"latent_moe_tail tier {forced.value!r} was forced by {by} but is unavailable "
+                f"for T={tokens}, H={hidden}, tp={tp}, device {device.type!r}: {why}")
+        return forced, f"forced by {by}"
+    if not config.moe_tail:
+        return Tier.REPLICATED, "moe_tail is off (K3FUSION_MOE_TAIL=0)"
+    if 0 < tokens <= config.fused_tail_max_tokens:
+        why = tier_unavailable_reason(Tier.TAIL_FUSION, tokens, hidden, tp, device)
+        if why is None:
+            return Tier.TAIL_FUSION, f"0 < T <= fused_tail_max_tokens={config.fused_tail_max_tokens}"
+        small = f"tail_fusion unavailable ({why}); "
+    else:
+        small = ""
+    threshold = config.shared_experts_stream_token_threshold
+    if tokens <= threshold and not config.disable_shared_experts_stream:
+        return Tier.ALLREDUCE_OVERLAP, f"{small}T <= shared_experts_stream_token_threshold={threshold}"
+    big = ("shared-experts stream disabled" if config.disable_shared_experts_stream
+           else f"T > shared_experts_stream_token_threshold={threshold}")
+    why = tier_unavailable_reason(Tier.COLUMN_PARALLEL, tokens, hidden, tp, device)
+    if why is None:
+        return Tier.COLUMN_PARALLEL, f"{small}{big}"
+    return Tier.REPLICATED, f"{small}{big}; column_parallel unavailable ({why})"
+
+
+def select_tier(tokens: int, hidden: int, tp: int, device, config: FusionConfig | None = None,
+                *, force=None) -> Tier:
+    """The tier a call with ``tokens`` rows of width ``hidden`` over ``tp`` ranks runs.
+
+    Depends only on these facts and ``config`` (default: :func:`k3fusion.get_config`), so
+    all ranks agree. ``force`` (a :class:`Tier` or its value) overrides the config's
+    ``moe_tail_tier``; a forced tier that is unavailable raises :class:`TierUnavailableError`.
+    """
+    return _select(tokens, hidden, tp, device, config, force)[0]
+
+
+# ---------------------------------------------------------------------- counters
+
+
+_counts: Counter[str] = Counter()
+
+
+def tier_counts() -> dict[str, int]:
+    """``{tier value: eager calls}`` since :func:`reset_tier_counts` (tiers that ran)."""
+    return dict(_counts)
+
+
+def reset_tier_counts() -> None:
+    _counts.clear()
+
+
+def _record(tier: Tier, why: str, tokens: int, hidden: int, tp: int, config: FusionConfig | None) -> None:
+    _counts[tier.value] += 1
+    debug = (get_config() if config is None else config).debug
+    level = logging.INFO if debug else logging.DEBUG
+    if log.isEnabledFor(level):
+        log.log(level, "k3fusion moe_tail: T=%d H=%d tp=%d -> %s (%s)", tokens, hidden, tp,
+                tier.value, why)
+
+
+# ---------------------------------------------------------------------- implementations
+
+
+def tp_size_and_rank(group) -> tuple[int, int]:
+    """``(world size, this process's rank)`` in ``group``; ``(1, 0)`` for None (no TP)."""
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_reduce_async(t: torch.Tensor, group):
+    """Issue the all-reduce; :func:`_wait` gives the result (eager: work runs meanwhile)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(t, "sum", group)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    # A trace has emitted wait_tensor already (funcol waits when tracing).
+    return t.trigger_wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared):
+    # Exactly the reference's op sequence (bit-identical results).
+    return reference.latent_moe_tail(routed, shared, norm_w, eps, up_w, group, weight_in_fp32)
+
+
+# Per CUDA device: (side stream, event "shared ready", event "shared reduced").
+_side_streams: dict[int, tuple] = {}
+
+
+def _side_stream(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Event(),
+                                torch.cuda.Event())
+    return _side_streams[index]
+
+
+def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared):
+    if group is None:  # tp=1: no all-reduce to hide; the replicated form is the whole tail
+        return _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared)
+    if shared.is_cuda and not torch.compiler.is_compiling():
+        main = torch.cuda.current_stream(shared.device)
+        side, ready, done = _side_stream(shared.device)
+        ready.record(main)             # the shared partial is complete on the main stream
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            shared_sum = _wait(_all_reduce_async(shared, group))
+            done.record(side)
+        h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32)
+        up = h @ up_w.T                # overlaps the shared all-reduce
+        main.wait_event(done)
+        shared_sum.record_stream(main)  # allocated on the side stream, released on main
+        return shared_sum + up
+    # CPU / traced: issue the shared all-reduce first and wait for it only after the GEMM
+    # (gloo runs it on its worker threads meanwhile; a trace leaves placement to Inductor).
+    pending = _all_reduce_async(shared, group)
+    h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32)
+    up = h @ up_w.T
+    return _wait(pending) + up
+
+
+def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared):
+    tp, rank = tp_size_and_rank(group)
+    h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32)
+    hidden = shared.shape[-1]
+    shard = hidden // tp
+    start = rank * shard
+    # The caller's partial is written only when donated; otherwise a private copy is.
+    out = shared if donate_shared else shared.clone(memory_format=torch.contiguous_format)
+    # Beta-add epilogue: out[:, cols] = out[:, cols] + h @ up_w[cols].T (this rank's shard).
+    out.narrow(-1, start, shard).addmm_(h, up_w.narrow(0, start, shard).t())
+    # One all-reduce sums the ranks' partials and stitches the column shards.
+    return reference.all_reduce(out, group)
+
+
+def _tail_fusion(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared):
+    tp, _ = tp_size_and_rank(group)
+    impl, why = _tail_fusion_impl(routed.shape[0], shared.shape[-1], tp, shared.device)
+    if impl is None:  # selection checked this; a registry change in between lands here
+        raise TierUnavailableError(f"tail_fusion: {why}")
+    return impl.run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32)
+
+
+_IMPLS = {
+    Tier.TAIL_FUSION: _tail_fusion,
+    Tier.ALLREDUCE_OVERLAP: _overlap,
+    Tier.COLUMN_PARALLEL: _column_parallel,
+    Tier.REPLICATED: _replicated,
+}
+
+
+# ---------------------------------------------------------------------- entry points
+
+
+def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w) -> None:
+    """Validate a tail call; TypeError/ValueError naming the argument.
+
+    ``routed_latent [..., L]`` and ``shared [..., H]`` with the same leading dims,
+    ``norm_w [L]``, ``up_w [H, L]``, one device, contiguous last dims, and one dtype for
+    the normed latent, ``up_w`` and ``shared`` (the column-parallel tier adds the GEMM
+    into ``shared`` in place, so no promotion may happen there).
+    """
+    check_rms_norm_args(routed_latent, norm_w, eps, x_name="routed_latent", w_name="norm_w")
+    for name, t in (("shared", shared), ("up_w", up_w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.device != routed_latent.device:
+            raise ValueError(f"{name} is on {t.device} but routed_latent is on {routed_latent.device}")
+    if up_w.dim() != 2:
+        raise ValueError(f"up_w must be 2-D [H, L], got shape {tuple(up_w.shape)}")
+    latent, hidden = routed_latent.shape[-1], up_w.shape[0]
+    if up_w.shape[1] != latent:
+        raise ValueError(f"up_w is {tuple(up_w.shape)} but routed_latent rows are {latent} wide "
+                         f"(up_w must be [H, L={latent}])")
+    if shared.dim() < 1 or shared.shape[-1] != hidden:
+        raise ValueError(f"shared must be [..., H={hidden}] (up_w's rows), got {tuple(shared.shape)}")
+    if hidden == 0:
+        raise ValueError("up_w has no rows (H = 0)")
+    if tuple(shared.shape[:-1]) != tuple(routed_latent.shape[:-1]):
+        raise ValueError(f"shared leading dims {tuple(shared.shape[:-1])} differ from "
+                         f"routed_latent leading dims {tuple(routed_latent.shape[:-1])}")
+    if shared.stride(-1) != 1 and hidden > 1:
+        raise ValueError(f"shared must be contiguous in its last dim, got stride {shared.stride(-1)}")
+    normed = reference.rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, False)
+    if not normed == up_w.dtype == shared.dtype:
+        raise TypeError(
+            f"dtypes must agree: rms_norm(routed_latent {routed_latent.dtype}, norm_w "
+            f"{norm_w.dtype}) gives {normed}, up_w is {up_w.dtype}, shared is {shared.dtype}")
+
+
+def run_latent_moe_tail(
+    routed_latent: torch.Tensor,
+    shared: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    up_w: torch.Tensor,
+    group=None,
+    *,
+    weight_in_fp32: bool = False,
+    tier=None,
+    config: FusionConfig | None = None,
+    donate_shared: bool = False,
+) -> tuple[torch.Tensor, Tier]:
+    """:func:`latent_moe_tail`, also returning the tier that ran."""
+    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w)
+    latent, hidden = routed_latent.shape[-1], shared.shape[-1]
+    lead = tuple(shared.shape[:-1])
+    routed2 = routed_latent.reshape(-1, latent)
+    shared2 = shared.reshape(-1, hidden)
+    tokens = routed2.shape[0]
+    tp, _ = tp_size_and_rank(group)
+    if torch.compiler.is_compiling() and tier is None and (
+            config or get_config()).moe_tail_tier == "auto":
+        # The plain form: the graph pass owns the tail in compiled graphs (dynamic T).
+        chosen = Tier.REPLICATED
+    else:
+        chosen, why = _select(tokens, hidden, tp, shared.device, config, tier)
+        if not torch.compiler.is_compiling():
+            _record(chosen, why, tokens, hidden, tp, config)
+    y = _IMPLS[chosen](routed2, shared2, norm_w, eps, up_w, group, weight_in_fp32, donate_shared)
+    return y.reshape(*lead, hidden), chosen
+
+
+def latent_moe_tail(
+    routed_latent: torch.Tensor,
+    shared: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    up_w: torch.Tensor,
+    group=None,
+    *,
+    weight_in_fp32: bool = False,
+    tier=None,
+    config: FusionConfig | None = None,
+    donate_shared: bool = False,
+) -> torch.Tensor:
+    """``all_reduce(shared) + rms_norm(all_reduce(routed_latent), norm_w, eps) @ up_w.T``
+    through the tier :func:`select_tier` picks for this call's token count.
+
+    ``routed_latent [..., L]`` and ``shared [..., H]``: this rank's partial sums over
+    ``group`` (a ``torch.distributed`` process group; None = tp 1, no collective);
+    ``up_w [H, L]`` replicated. ``tier`` forces a tier (else ``config.moe_tail_tier``);
+    ``config`` defaults to :func:`k3fusion.get_config`.
+
+    Inputs are never modified unless ``donate_shared=True``: then the column-parallel
+    tier may accumulate into ``shared`` in place instead of into a copy (pass it when
+    ``shared`` is a temporary the caller no longer needs). Every rank of ``group`` must
+    make the call with the same T and config. Returns ``[..., H]``, equal on all ranks.
+
+    Under torch.compile the config must already be loaded (any eager call, or
+    :func:`k3fusion.get_config`, before compiling; :class:`k3fusion.eager.MoETailRunner`
+    does it when built): reading the environment does not trace.
+    """
+    return run_latent_moe_tail(routed_latent, shared, norm_w, eps, up_w, group,
+                               weight_in_fp32=weight_in_fp32, tier=tier, config=config,
+                               donate_shared=donate_shared)[0]
