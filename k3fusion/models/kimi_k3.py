@@ -697,7 +697,26 @@ def apply_attn_res(
     return out, prefix, bank
 
 
-class KimiK3DecoderLayer(nn.Module):
+class AttnResStep:
+    """Gives a module the K3 contract ``apply_attn_res(...)`` as a method (see the function
+    :func:`apply_attn_res`), so ``k3fusion.eager.patch_model`` can swap it per module."""
+
+    def apply_attn_res(
+        self,
+        prefix: Tensor,
+        bank: AttnResBank,
+        res: KimiK3AttnRes,
+        num_blocks: int,
+        *,
+        delta: Tensor | None = None,
+        output_norm: nn.Module | None = None,
+        block_write_idx: int = -1,
+    ) -> tuple[Tensor, Tensor, AttnResBank]:
+        return apply_attn_res(prefix, bank, res, num_blocks, delta=delta,
+                              output_norm=output_norm, block_write_idx=block_write_idx)
+
+
+class KimiK3DecoderLayer(AttnResStep, nn.Module):
     def __init__(self, config: KimiK3Config, layer_idx: int = 0, tp_group: object = None) -> None:
         super().__init__()
         _check_supported(config)
@@ -722,28 +741,6 @@ class KimiK3DecoderLayer(nn.Module):
             self.mlp_res = KimiK3AttnRes(
                 c.hidden_size, c.rms_norm_eps, c.norm_style, c.attn_res_precision
             )
-
-    def apply_attn_res(
-        self,
-        prefix: Tensor,
-        bank: AttnResBank,
-        res: KimiK3AttnRes,
-        num_blocks: int,
-        *,
-        delta: Tensor | None = None,
-        output_norm: nn.Module | None = None,
-        block_write_idx: int = -1,
-    ) -> tuple[Tensor, Tensor, AttnResBank]:
-        """One AttnRes step (see :func:`apply_attn_res`); the eager patch swaps this."""
-        return apply_attn_res(
-            prefix,
-            bank,
-            res,
-            num_blocks,
-            delta=delta,
-            output_norm=output_norm,
-            block_write_idx=block_write_idx,
-        )
 
     def forward(
         self, hidden_states: Tensor, bank: AttnResBank | None = None
@@ -789,7 +786,7 @@ class KimiK3DecoderLayer(nn.Module):
         return prefix, bank
 
 
-class KimiK3Model(nn.Module):
+class KimiK3Model(AttnResStep, nn.Module):
     def __init__(self, config: KimiK3Config, tp_group: object = None) -> None:
         super().__init__()
         _check_supported(config)
@@ -808,28 +805,6 @@ class KimiK3Model(nn.Module):
                 config.hidden_size, config.rms_norm_eps, config.norm_style,
                 config.attn_res_precision,
             )
-
-    def apply_attn_res(
-        self,
-        prefix: Tensor,
-        bank: AttnResBank,
-        res: KimiK3AttnRes,
-        num_blocks: int,
-        *,
-        delta: Tensor | None = None,
-        output_norm: nn.Module | None = None,
-        block_write_idx: int = -1,
-    ) -> tuple[Tensor, Tensor, AttnResBank]:
-        """The final AttnRes step (see :func:`apply_attn_res`); swappable like the layers'."""
-        return apply_attn_res(
-            prefix,
-            bank,
-            res,
-            num_blocks,
-            delta=delta,
-            output_norm=output_norm,
-            block_write_idx=block_write_idx,
-        )
 
     def forward(self, input_ids: Tensor) -> Tensor:
         hidden_states = self.embed_tokens(input_ids)
