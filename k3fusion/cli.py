@@ -34,6 +34,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-attn-res", dest="attn_res", action="store_false",
                    help="build the model with plain residuals instead of Block AttnRes")
+    p.add_argument("--latent-moe", action="store_true",
+                   help="use the normalized latent MoE instead of the dense MLP "
+                        "(reports the moe_tail fusion)")
     p.add_argument("--bank", choices=("list", "tensor"), default="list",
                    help="how the AttnRes model keeps its completed blocks")
     p.add_argument("--block-size", type=int, default=1,
@@ -59,7 +62,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _DTYPES[args.dtype]
     config = KimiK3Config.tiny(dtype=dtype, norm_style=args.norm_style, attn_res=args.attn_res,
-                               attn_res_bank=args.bank, attn_res_block_size=args.block_size)
+                               attn_res_bank=args.bank, attn_res_block_size=args.block_size,
+                               latent_moe=args.latent_moe)
     model = KimiK3ForCausalLM(config, seed=args.seed).to(device).eval()
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.tokens), generator=gen).to(device)
@@ -86,13 +90,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tol = _REL_TOL[dtype]
     sites = {"qkv_rmsnorm": model.mla_layers, "attn_res": model.attn_res_sites}
+    from k3fusion.models.kimi_k3 import count_latent_moe_layers
+
+    if count_latent_moe_layers(model):  # one tail per latent-MoE layer
+        sites["moe_tail"] = count_latent_moe_layers(model)
     fusions = [{"fusion": name, "sites": n, "matches": counts.get(name, 0)}
                for name, n in sites.items()]
     errors = {"inductor": _max_rel_err(default_out, eager_out),
               "k3fusion": _max_rel_err(fused_out, eager_out)}
     ok = all(f["matches"] == f["sites"] for f in fusions) and all(e <= tol for e in errors.values())
     return {
-        "model": f"KimiK3ForCausalLM(tiny{', attn_res ' + args.bank + ' bank' if args.attn_res else ''})",
+        "model": (f"KimiK3ForCausalLM(tiny{', attn_res ' + args.bank + ' bank' if args.attn_res else ''}"
+                  f"{', latent MoE' if args.latent_moe else ''})"),
         "device": str(device), "dtype": args.dtype,
         "norm_style": args.norm_style, "input_shape": list(ids.shape),
         "torch": torch.__version__, "k3fusion": k3fusion.__version__,

@@ -58,6 +58,7 @@ class K3FusionPass(CustomGraphPass):
 
     def __call__(self, graph: Graph) -> None:
         from k3fusion.patterns.attn_res import FUSION_NAME as ATTN_RES, fuse_attn_res
+        from k3fusion.patterns.moe_tail import FUSION_NAME as MOE_TAIL, fuse_moe_tail
         from k3fusion.patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm
         from k3fusion.patterns.rms_norm import find_rms_norms
 
@@ -66,9 +67,15 @@ class K3FusionPass(CustomGraphPass):
         recognized = len(norms)
         counts: dict[str, int] = {}
         misses: list[str] = []
+        tail_misses: list[str] = []
         # AttnRes first: it claims its key norms and the norm after it (the output norm).
         if config.attn_res:
             counts[ATTN_RES], norms, misses = fuse_attn_res(graph, norms)
+        # The latent-MoE tail claims its latent norm (folded into the tail op).
+        if config.moe_tail:
+            n_tail, norms, tail_misses = fuse_moe_tail(graph, norms)
+            if n_tail:  # counted where a graph has tails (dense models report no moe_tail key)
+                counts[MOE_TAIL] = n_tail
         left = [(m, "qkv_rmsnorm is disabled (K3FUSION_QKV_RMSNORM=0)") for m in norms]
         if config.qkv_rmsnorm:
             counts[QKV], left = fuse_qkv_rmsnorm(graph, norms)
@@ -82,6 +89,8 @@ class K3FusionPass(CustomGraphPass):
         if config.debug:
             for miss in misses:
                 log.info("AttnRes site not fused: %s", miss)
+            for miss in tail_misses:
+                log.info("MoE-tail site not fused: %s", miss)
             for norm, why in left:
                 log.info("RMSNorm %s (x=%s) not fused: %s", norm.out.name, norm.x.name, why)
             for r in rejected:

@@ -1,0 +1,287 @@
+"""Fusion 3: the latent-MoE tail -> ``torch.ops.k3fusion.latent_moe_tail`` (tiered at run time).
+
+What a site computes (``KimiK3LatentMoE.tail``), in the post-grad graph::
+
+    tensor parallel (tp > 1), functional collectives over one group ``g``:
+        r   = wait_tensor(all_reduce(routed_partial, "sum", g))
+        s   = wait_tensor(all_reduce(shared_partial, "sum", g))
+        y   = s + mm(rms_norm(r), permute(up_w, [1, 0]))        # add in either order
+            | addmm(s, rms_norm(r), permute(up_w, [1, 0]))       # `s + mm` as Inductor folds it
+    tp = 1 (no collectives):
+        y   = shared + mm(rms_norm(routed), permute(up_w, [1, 0]))   # or the addmm form
+
+``mm`` may read the norm through views (``[B, S, L] -> [T, L]``) and its result may be
+viewed back before the add. ``up_w`` is a 2-D parameter ``[H, L]``; ``L`` is the norm's
+width. The group name is read from the all-reduce nodes (a match argument, not fixed at
+registration); both all-reduces must be ``"sum"`` over the same group.
+
+The tp = 1 rule (so ordinary ``x + norm(y) @ W.T`` code is not swallowed): the add partner
+must itself be the bare output of a projection -- an ``mm`` (through views), or an
+``addmm`` whose input is a 1-D bias -- as the shared experts' down-projection is. A
+residual add is *not* matched: the residual stream is a graph input, an earlier ``add``,
+an AttnRes mix, or -- after a projection, ``h + o_proj(a)`` -- an ``addmm(h, a, Wo.T)``
+whose input is the full-shape residual (Inductor folds the add into the GEMM); none of
+these is a bare projection output, so ``h + norm(x) @ W.T`` (a pre-norm block's
+residual, attention ``o_proj`` + residual, ...) is left alone. The partner must also not be computed from the norm's output (two
+independent branches meeting at the add). Folding such a site would still be exact (the
+op computes that very function at tp = 1) -- the rule is about not claiming sites that are
+not MoE tails, not about correctness.
+
+Refused (near misses, left untouched): a norm or intermediate read outside the chain
+(the reduced routed latent, the normed latent, the GEMM result, or a reduced shared value
+also read by another node); a non-sum reduction or two different groups; one operand
+reduced and the other not; a weight that is not a parameter or not transposed with
+``permute([1, 0])``; an ``addmm`` with beta/alpha, or whose input is a (broadcast) bias
+rather than the shared ``[T, H]`` value; dtypes the op does not accept; Gemma-style norms
+(not recognized as RMSNorm at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, Node
+
+from ._fx import (NoMatch, apply_size_reads, aten, erase_unused, external_users, fake_call,
+                  is_graph_input, is_op, plan_size_reads, val)
+from .rms_norm import RMSNormMatch
+
+__all__ = ["FUSION_NAME", "MoETailSite", "match_moe_tail", "fuse_moe_tail"]
+
+FUSION_NAME = "moe_tail"
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_MM = (aten.mm.default, aten.addmm.default)
+
+
+#: Marker: the shared partner is the product of the anchor addmm (``addmm(up, x, ws.T)``).
+_SHARED_MM = object()
+
+
+def _c10d():
+    ns = torch.ops._c10d_functional
+    return ns.all_reduce.default, ns.wait_tensor.default
+
+
+@dataclass
+class MoETailSite:
+    anchor: Node                 # the add / addmm computing y
+    norm: RMSNormMatch
+    up_w: Node
+    routed: Node                 # what the op reads: the partial (tp > 1) or the latent
+    shared: Node | tuple        # a node, or (a, b) of the shared projection to rebuild
+    group_name: str | None
+    nodes: list[Node] = field(repr=False)   # what the op replaces (anchor included)
+
+
+def _through_views(node: object, chain: list[Node]) -> object:
+    """Walk up single-user views; the views are appended to ``chain``."""
+    while is_op(node, *_VIEWS):
+        chain.append(node)
+        node = node.args[0]
+    return node
+
+
+def _reduced(node: object) -> tuple[Node, str, list[Node]] | None:
+    """``wait_tensor(all_reduce(x, "sum", g))`` -> (x, g, nodes); None if not a collective."""
+    all_reduce, wait = _c10d()
+    if not is_op(node, wait):
+        return None
+    waits = [node]
+    # ``funcol.wait_tensor(funcol.all_reduce(x))`` traces to wait(wait(all_reduce(x))).
+    while is_op(waits[-1].args[0], wait):
+        if len(waits[-1].args[0].users) != 1:
+            raise NoMatch(f"{waits[-1].args[0].name} is read outside the tail")
+        waits.append(waits[-1].args[0])
+    ar = waits[-1].args[0]
+    if not is_op(ar, all_reduce):
+        raise NoMatch(f"{node.name} waits on {getattr(ar, 'target', ar)}, not an all_reduce")
+    op, group = ar.args[1], ar.args[2]
+    if str(op).lower() != "sum":
+        raise NoMatch(f"all_reduce {ar.name} reduces with {op!r}, not 'sum'")
+    if len(ar.users) != 1:
+        raise NoMatch(f"all_reduce {ar.name} has {len(ar.users)} users")
+    return ar.args[0], group, [ar, *waits]
+
+
+def _up_weight(wt: object) -> Node:
+    if not (is_op(wt, aten.permute.default) and list(wt.args[1]) == [1, 0]):
+        raise NoMatch("the up-projection weight is not read as up_w.permute(1, 0)")
+    up_w = wt.args[0]
+    if not is_graph_input(up_w) or val(up_w).dim() != 2:
+        raise NoMatch("the up-projection weight is not a 2-D parameter")
+    return up_w
+
+
+def _is_projection(node: object) -> bool:
+    """A bare projection output: ``mm``, or ``addmm`` with a 1-D bias (a biased Linear).
+    ``addmm(h, a, W.T)`` with a full-shape input is a residual add Inductor folded into
+    the GEMM (``h + o_proj(a)``): the residual stream, not a projection."""
+    node = _through_views(node, [])
+    if is_op(node, aten.mm.default):
+        return True
+    return is_op(node, aten.addmm.default) and val(node.args[0]).dim() == 1
+
+
+def _depends_on(node: Node, target: Node) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is target:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def match_moe_tail(anchor: Node, by_out: dict[Node, RMSNormMatch]) -> MoETailSite:
+    """Describe the tail computed by ``anchor`` (an add or addmm); raise NoMatch if none."""
+    if is_op(anchor, aten.addmm.default):
+        if anchor.kwargs.get("beta", 1) != 1 or anchor.kwargs.get("alpha", 1) != 1:
+            raise NoMatch("addmm with beta/alpha")
+        # addmm(shared, h, W.T) -- or, when the user wrote `up + shared`, Inductor folds
+        # the *shared* projection instead: addmm(up, x, ws.T); then the op's shared input
+        # is that product, rebuilt as its own mm (``_SHARED_MM``).
+        candidates = [(anchor.args[0], anchor), (_SHARED_MM, anchor.args[0])]
+        up_chain: list[Node] = []
+    elif is_op(anchor, aten.add.Tensor):
+        if anchor.kwargs.get("alpha", 1) != 1:
+            raise NoMatch("add with alpha")
+        a, b = anchor.args[0], anchor.args[1]
+        candidates = [(a, b), (b, a)]
+        up_chain = None
+    else:
+        raise NoMatch("not an add")
+    why = "no operand is an up-projection of an RMSNorm"
+    for partner, up in candidates:
+        if not isinstance(up, Node):
+            continue
+        if partner is _SHARED_MM:
+            chain, partner = [], _SHARED_MM
+        elif not isinstance(partner, Node):
+            continue
+        else:
+            chain = [] if up_chain is None else list(up_chain)
+        mm = up if up is anchor else _through_views(up, chain)
+        if mm is not anchor and not is_op(mm, aten.mm.default):
+            continue
+        h_in, wt = (mm.args[1], mm.args[2]) if mm is anchor else (mm.args[0], mm.args[1])
+        norm_chain: list[Node] = []
+        norm = by_out.get(_through_views(h_in, norm_chain))
+        if norm is None:
+            continue
+        try:
+            return _site(anchor, partner, mm, chain, norm_chain, wt, norm)
+        except NoMatch as e:
+            why = str(e)
+    raise NoMatch(why)
+
+
+def _site(anchor, partner, mm, chain, norm_chain, wt, norm: RMSNormMatch) -> MoETailSite:
+    up_w = _up_weight(wt)
+    hidden, latent = val(up_w).shape
+    if latent != norm.width:
+        raise NoMatch(f"up_w is [{hidden}, {latent}] but the norm is {norm.width} wide")
+    nodes = [anchor, *chain, *norm_chain, *norm.nodes, wt]
+    if mm is not anchor:
+        nodes.append(mm)
+    if partner is _SHARED_MM:  # tp = 1 only: the product is the shared projection itself
+        if _reduced(norm.x) is not None:
+            raise NoMatch("one operand is all-reduced and the other is not")
+        if _depends_on(anchor.args[1], norm.out) or _depends_on(anchor.args[2], norm.out):
+            raise NoMatch("tp=1: the add partner is computed from the normed latent")
+        shared = (anchor.args[1], anchor.args[2])
+        leaks = external_users(nodes, anchor)
+        if leaks:
+            inner, user = leaks[0]
+            raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
+        return MoETailSite(anchor, norm, up_w, norm.x, shared, None, nodes)
+    routed_red = _reduced(norm.x)
+    shared_red = _reduced(partner)
+    if (routed_red is None) != (shared_red is None):
+        raise NoMatch("one operand is all-reduced and the other is not")
+    if routed_red is not None:
+        routed, g1, n1 = routed_red
+        shared, g2, n2 = shared_red
+        if g1 != g2:
+            raise NoMatch(f"the all-reduces use different groups ({g1!r}, {g2!r})")
+        nodes += n1 + n2
+        group = g1
+    else:
+        # tp = 1: only a projection output is a shared-expert partial (see module docstring).
+        if not _is_projection(partner):
+            raise NoMatch("tp=1: the add partner is not a projection output (a residual add)")
+        if _depends_on(partner, norm.out):
+            raise NoMatch("tp=1: the add partner is computed from the normed latent")
+        routed, shared, group = norm.x, partner, None
+    if tuple(val(anchor).shape) != tuple(val(shared).shape):
+        raise NoMatch(f"the add broadcasts: {tuple(val(shared).shape)} -> "
+                      f"{tuple(val(anchor).shape)}")
+    leaks = external_users(nodes, anchor)
+    if leaks:
+        inner, user = leaks[0]
+        raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
+    return MoETailSite(anchor, norm, up_w, routed, shared, group, nodes)
+
+
+def _op_args(site: MoETailSite, shared=None) -> tuple:
+    eps = site.norm.eps
+    eps, eps_t = (0.0, eps) if isinstance(eps, Node) else (eps, None)
+    shared = site.shared if shared is None else shared
+    return (site.routed, shared, site.norm.weight, eps, site.up_w, site.group_name,
+            site.norm.weight_in_fp32, eps_t)
+
+
+def _plan(site: MoETailSite) -> list:
+    rebuilt = isinstance(site.shared, tuple)
+    survivors = [site.routed, site.up_w] + (list(site.shared) if rebuilt else [site.shared])
+    size_reads = plan_size_reads(site.nodes, survivors)
+    try:  # the op's own checks (dtypes, shapes, strides), on fake values
+        shared = fake_call(aten.mm.default, site.shared) if rebuilt else None
+        out = fake_call(torch.ops.k3fusion.latent_moe_tail.default, _op_args(site, shared))
+    except (TypeError, ValueError) as e:
+        raise NoMatch(f"the fused op refuses these inputs: {e}") from None
+    want = val(site.anchor)
+    if out.dtype != want.dtype or tuple(out.shape) != tuple(want.shape):
+        raise NoMatch(f"the op would give {out.dtype}{tuple(out.shape)}, the graph has "
+                      f"{want.dtype}{tuple(want.shape)}")
+    return size_reads
+
+
+def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RMSNormMatch], list[str]]:
+    """Replace every latent-MoE tail; returns (sites fused, norms still unclaimed, misses)."""
+    import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
+
+    by_out = {m.out: m for m in norms}
+    claimed: set[Node] = set()
+    fused, misses = 0, []
+    anchors = [n for n in graph.nodes if is_op(n, aten.add.Tensor, aten.addmm.default)]
+    for anchor in anchors:
+        if anchor.graph is not graph or anchor in claimed:
+            continue
+        try:
+            site = match_moe_tail(anchor, by_out)
+            size_reads = _plan(site)
+        except NoMatch as e:
+            if "no operand is an up-projection" not in str(e):
+                misses.append(f"{anchor.name}: {e}")
+            continue
+        with graph.inserting_before(site.anchor):
+            shared = None
+            if isinstance(site.shared, tuple):
+                shared = graph.call_function(aten.mm.default, site.shared)
+                shared.meta["val"] = fake_call(aten.mm.default, site.shared)
+            args = _op_args(site, shared)
+            node = graph.call_function(torch.ops.k3fusion.latent_moe_tail.default, args)
+            node.meta["val"] = fake_call(torch.ops.k3fusion.latent_moe_tail.default, args)
+        site.anchor.replace_all_uses_with(node)
+        apply_size_reads(size_reads)
+        erase_unused(graph, site.nodes)
+        claimed.add(site.norm.out)
+        by_out.pop(site.norm.out, None)
+        fused += 1
+    left = [m for m in norms if m.out not in claimed]
+    return fused, left, misses
