@@ -23,7 +23,9 @@ _REL_TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m k3fusion", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m k3fusion", description=__doc__.splitlines()[0],
+                                epilog="python -m k3fusion bench [--out DIR] runs the "
+                                       "per-op benchmarks (CUDA).")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
@@ -125,7 +127,26 @@ def _print_table(report: dict[str, Any]) -> None:
     print("OK" if report["ok"] else "FAILED: a site was not fused or an error is out of bounds")
 
 
+def bench(argv: list[str]) -> int:
+    """``python -m k3fusion bench [--out DIR]``: every per-op benchmark (needs CUDA)."""
+    p = argparse.ArgumentParser(prog="python -m k3fusion bench",
+                                description="run the per-op benchmarks (CUDA)")
+    p.add_argument("--out", default="bench-out", help="folder for JSON, markdown and plots")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m k3fusion bench needs a CUDA GPU (none is visible here); "
+              "see docs/benchmarks.md for results measured on an H200", file=sys.stderr)
+        return 2
+    from k3fusion.bench import attn_res, qkv_rmsnorm
+
+    status = qkv_rmsnorm.main(["--out", args.out])
+    return status or attn_res.main(["--out", args.out])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return bench(argv[1:])
     args = _parse(argv)
     report = run(args)
     if args.json:
