@@ -28,3 +28,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture
+def pass_runs(monkeypatch):
+    """(graph before, graph after) for every K3FusionPass call, however it was installed."""
+    import copy
+
+    from k3fusion.pass_manager import K3FusionPass
+
+    runs = []
+    original = K3FusionPass.__call__
+
+    def recording(self, graph):
+        before = copy.deepcopy(graph)
+        original(self, graph)
+        runs.append((before, copy.deepcopy(graph)))
+
+    monkeypatch.setattr(K3FusionPass, "__call__", recording)
+    return runs

@@ -9,7 +9,6 @@ kernel-path tests run on the GPU instead. Kernel results are checked stage by st
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -18,7 +17,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-import k3fusion.kernels
+from _kernel_paths import cpu_path, spy_on_launcher
 from k3fusion import reference
 from test_attn_res_kernel import Case, bits, check_mix_and_norm, expected_new_prefix
 
@@ -31,30 +30,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS_DECOY = 0.25  # not one of the generated eps values
 
 
-@contextlib.contextmanager
-def cpu_path(path: str):
-    """``"kernel"``: TRITON_INTERPRET=1 (the Triton kernel); ``"reference"``: unset."""
-    with pytest.MonkeyPatch.context() as mp:
-        if path == "kernel":
-            mp.setenv("TRITON_INTERPRET", "1")
-        else:
-            mp.delenv("TRITON_INTERPRET", raising=False)
-        yield
-
-
-@contextlib.contextmanager
 def launcher_calls():
     """Record calls of the launcher the ops import (``k3fusion.kernels.attn_res``)."""
-    calls = []
-    real = k3fusion.kernels.attn_res
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("block_write_idx"))
-        return real(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(k3fusion.kernels, "attn_res", spy)
-        yield calls
+    return spy_on_launcher("attn_res", "block_write_idx")
 
 
 # --------------------------------------------------------------- generated inputs

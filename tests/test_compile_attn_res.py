@@ -13,7 +13,8 @@ A real compile of the tiny model costs ~10 s on a 2-core CPU box (~15 s dynamic)
 file compiles it three or four times: both banks static, then one or two dynamic models
 (one per block size the hypothesis test draws, each reused for every token count). The
 per-form checks live in the harness-based ``test_attn_res_pass.py``.
-The graph after our pass is captured by wrapping ``K3FusionPass.__call__`` (it runs last).
+The graph after our pass is captured by the ``pass_runs`` fixture (conftest.py), which
+wraps ``K3FusionPass.__call__`` (it runs last).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from torch._dynamo.utils import counters
 import k3fusion
 from k3fusion.kernels._launch import interpreter_enabled
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
-from k3fusion.pass_manager import K3FusionPass
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from .graph_utils import count_op, fresh_state, nodes_of  # noqa: F401
@@ -45,21 +45,6 @@ aten = torch.ops.aten
 ATTN_RES = torch.ops.k3fusion.attn_res.default
 DUAL = torch.ops.k3fusion.dual_rms_norm.default
 NUM_LAYERS = 3
-
-
-@pytest.fixture
-def pass_runs(monkeypatch):
-    """(graph before, graph after) for every K3FusionPass call."""
-    runs = []
-    original = K3FusionPass.__call__
-
-    def recording(self, graph):
-        before = copy.deepcopy(graph)
-        original(self, graph)
-        runs.append((before, copy.deepcopy(graph)))
-
-    monkeypatch.setattr(K3FusionPass, "__call__", recording)
-    return runs
 
 
 def _model(bank: str, block_size: int, dtype=torch.bfloat16) -> KimiK3ForCausalLM:

@@ -6,7 +6,8 @@ graph, and match eager within bf16 rounding -- for static and dynamic token coun
 
 Each real compile of the tiny model costs several seconds on a small CPU machine, so this
 file compiles it five times; everything else lives in the harness-based graph tests.
-The post-grad graph is captured by wrapping ``K3FusionPass.__call__`` (our pass runs last).
+The post-grad graph is captured by the ``pass_runs`` fixture (conftest.py), which wraps
+``K3FusionPass.__call__`` (our pass runs last).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch._dynamo.utils import counters
 
 import k3fusion
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
-from k3fusion.pass_manager import K3FusionPass
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from .graph_utils import (DUAL, CaptureBackend, assert_no_unfused_norm,  # noqa: F401
@@ -34,21 +34,6 @@ pytestmark = [
     pytest.mark.usefixtures("fresh_state"),
     pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight"),
 ]
-
-
-@pytest.fixture
-def pass_runs(monkeypatch):
-    """(graph before, graph after) for every K3FusionPass call, however it was installed."""
-    runs = []
-    original = K3FusionPass.__call__
-
-    def recording(self, graph):
-        before = copy.deepcopy(graph)
-        original(self, graph)
-        runs.append((before, copy.deepcopy(graph)))
-
-    monkeypatch.setattr(K3FusionPass, "__call__", recording)
-    return runs
 
 
 def _model(**overrides) -> KimiK3ForCausalLM:

@@ -4,14 +4,7 @@ same weights), and ``patch_model``'s tiered tail runner."""
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import sys
-import tempfile
-import time
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -19,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import k3fusion
+from _gloo import run_ranks
 import k3fusion.kernels  # noqa: F401  decorated now, under conftest's TRITON_INTERPRET
 from k3fusion import moe_tail, reference
 from k3fusion.config import FusionConfig
@@ -463,73 +457,33 @@ def _check_model_case(name, world, payloads):
         assert p["tiers"] == EXPECTED_TIERS.get(name), f"rank {r}: tiers {p['tiers']}"
 
 
-def _model_worker(rank, world, port, out_path):
+def _model_cases(rank, world, group):
+    """Every model case on this rank; rank 0 returns ``{case: "ok" | failure}``."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        results = {}
-        for name, fn in MODEL_CASES.items():
-            try:
-                payload = ("ok", fn(rank, world, dist.group.WORLD))
-            except Exception:  # noqa: BLE001 - reported by rank 0
-                payload = ("error", traceback.format_exc())
-            gathered = [None] * world
-            dist.all_gather_object(gathered, payload)
-            if rank == 0:
-                errors = [f"rank {r}:\n{p[1]}" for r, p in enumerate(gathered) if p[0] == "error"]
-                try:
-                    if errors:
-                        raise RuntimeError("\n".join(errors))
-                    _check_model_case(name, world, [p[1] for p in gathered])
-                    results[name] = "ok"
-                except Exception:  # noqa: BLE001
-                    results[name] = traceback.format_exc()
+    results = {}
+    for name, fn in MODEL_CASES.items():
+        try:
+            payload = ("ok", fn(rank, world, group))
+        except Exception:  # noqa: BLE001 - reported by rank 0
+            payload = ("error", traceback.format_exc())
+        gathered = [None] * world
+        dist.all_gather_object(gathered, payload)
         if rank == 0:
-            with open(out_path, "wb") as f:
-                pickle.dump(results, f)
-        ok = True
-    except BaseException:
-        traceback.print_exc()
-        ok = False
-    finally:
-        dist.destroy_process_group()
-    # Skip interpreter teardown: a gloo/inductor background thread torn down late can
-    # abort the process ("terminate called without an active exception") after the
-    # work is done and reported, which would turn a pass into a spurious failure.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if ok else 1)
+            errors = [f"rank {r}:\n{p[1]}" for r, p in enumerate(gathered) if p[0] == "error"]
+            try:
+                if errors:
+                    raise RuntimeError("\n".join(errors))
+                _check_model_case(name, world, [p[1] for p in gathered])
+                results[name] = "ok"
+            except Exception:  # noqa: BLE001
+                results[name] = traceback.format_exc()
+    return results
 
 
 @pytest.fixture(scope="module")
 def tp2_results():
-    import multiprocessing as mp
-
-    world, ctx = 2, mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "results.pkl")
-        procs = [ctx.Process(target=_model_worker, args=(r, world, port, out_path))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 150
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        for i in hung:
-            procs[i].terminate()
-            procs[i].join(5)
-        assert not hung, f"ranks {hung} did not finish"
-        assert all(p.exitcode == 0 for p in procs) and os.path.exists(out_path), (
-            f"exit codes {[p.exitcode for p in procs]} (see captured stderr)")
-        with open(out_path, "rb") as f:
-            return pickle.load(f)
+    return run_ranks(_model_cases, 2)[0]
 
 
 @pytest.mark.parametrize("name", list(MODEL_CASES))

@@ -13,19 +13,12 @@
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import sys
-import tempfile
-import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 
 import k3fusion
+from _gloo import run_ranks
 import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
 from k3fusion import reference
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
@@ -253,80 +246,44 @@ def test_latent_moe_attn_res_model_real_inductor():
 # ============================================================================ tp = 2 (gloo)
 
 
-def _worker(rank: int, world: int, port: int, out_path: str) -> None:
+def _tail_on_rank(rank: int, world: int, group) -> dict:
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    ok, result = True, {}
-    try:
-        import torch.distributed._functional_collectives as funcol
+    from k3fusion.models.kimi_k3 import KimiK3LatentMoE
 
-        from k3fusion.models.kimi_k3 import KimiK3LatentMoE
+    result = {}
+    torch.manual_seed(0)  # same replicated weights on every rank
+    moe = KimiK3LatentMoE(KimiK3Config.tiny(latent_moe=True, dtype=torch.float32),
+                          tp_group=group).eval()
+    g = torch.Generator().manual_seed(100 + rank)  # per-rank partials
+    r, s = torch.randn(5, L, generator=g), torch.randn(5, H, generator=g)
 
-        torch.manual_seed(0)  # same replicated weights on every rank
-        moe = KimiK3LatentMoE(KimiK3Config.tiny(latent_moe=True, dtype=torch.float32),
-                              tp_group=dist.group.WORLD).eval()
-        g = torch.Generator().manual_seed(100 + rank)  # per-rank partials
-        r, s = torch.randn(5, L, generator=g), torch.randn(5, H, generator=g)
+    torch._dynamo.reset()
+    k3fusion.reset_match_counts()
+    compiled = torch.compile(moe.tail, backend="k3fusion", dynamic=False)
+    with torch.no_grad(), no_compile_caches():  # a cache hit would skip the pass
+        got, want = compiled(r, s), moe.tail(r, s)
+    result["compiled_err"] = float((got - want).abs().max())
+    result["compiled_matches"] = k3fusion.match_counts().get("moe_tail", 0)
 
-        torch._dynamo.reset()
-        k3fusion.reset_match_counts()
-        compiled = torch.compile(moe.tail, backend="k3fusion", dynamic=False)
-        with torch.no_grad(), no_compile_caches():  # a cache hit would skip the pass
-            got, want = compiled(r, s), moe.tail(r, s)
-        result["compiled_err"] = float((got - want).abs().max())
-        result["compiled_matches"] = k3fusion.match_counts().get("moe_tail", 0)
+    def leaky(r, s):  # the reduced routed latent is also returned: refuse
+        rr = funcol.wait_tensor(funcol.all_reduce(r, "sum", group))
+        ss = funcol.wait_tensor(funcol.all_reduce(s, "sum", group))
+        return ss + moe.up_proj(moe.latent_norm(rr)), rr
 
-        def leaky(r, s):  # the reduced routed latent is also returned: refuse
-            rr = funcol.wait_tensor(funcol.all_reduce(r, "sum", dist.group.WORLD))
-            ss = funcol.wait_tensor(funcol.all_reduce(s, "sum", dist.group.WORLD))
-            return ss + moe.up_proj(moe.latent_norm(rr)), rr
-
-        k3fusion.reset_match_counts()
-        out, be = compile_capture(leaky, r, s)
-        with torch.no_grad():
-            ref = leaky(r, s)
-        result["leaky_matches"] = k3fusion.match_counts().get("moe_tail", 0)
-        result["leaky_err"] = max(float((a - b).abs().max()) for a, b in zip(out, ref))
-        result["group"] = dist.group.WORLD.group_name
-    except BaseException:  # noqa: BLE001 - reported through the file
-        ok, result = False, {"error": traceback.format_exc()}
-    with open(f"{out_path}.{rank}", "wb") as f:
-        pickle.dump(result, f)
-    try:
-        dist.destroy_process_group()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0 if ok else 1)  # skip teardown (gloo/inductor threads, see test_moe_tail_tiers)
+    k3fusion.reset_match_counts()
+    out, be = compile_capture(leaky, r, s)
+    with torch.no_grad():
+        ref = leaky(r, s)
+    result["leaky_matches"] = k3fusion.match_counts().get("moe_tail", 0)
+    result["leaky_err"] = max(float((a - b).abs().max()) for a, b in zip(out, ref))
+    result["group"] = dist.group.WORLD.group_name
+    return result
 
 
 def test_tp2_gloo_compiled_tail_equals_eager():
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "r")
-        procs = [ctx.Process(target=_worker, args=(r, 2, port, out_path)) for r in range(2)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 150
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-        results = []
-        for r in range(2):
-            assert os.path.exists(f"{out_path}.{r}"), f"rank {r} reported nothing ({procs[r].exitcode})"
-            with open(f"{out_path}.{r}", "rb") as f:
-                results.append(pickle.load(f))
+    results = run_ranks(_tail_on_rank, 2)
     for rank, res in enumerate(results):
         assert "error" not in res, f"rank {rank}:\n{res['error']}"
         assert res["compiled_matches"] == 1, res

@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
-import socket
-import sys
-import tempfile
 import time
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 
 import k3fusion
+from _gloo import run_ranks
 from k3fusion import moe_tail, reference
 from k3fusion.config import FusionConfig, load_config
 from k3fusion.moe_tail import Tier, TierUnavailableError
@@ -389,84 +385,39 @@ def _(ctx, payloads):
                     same_ranks=[list(range(0, half)), list(range(half, ctx.world))])
 
 
-def _worker(rank: int, world: int, port: int, out_path: str) -> None:
+def _run_cases(rank: int, world: int, group):
+    """Every case for this world size on this rank; rank 0 returns (results, timings)."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        ctx = Ctx(rank, world, dist.group.WORLD)
-        results, timings = {}, {}
-        for name, (run, check, worlds) in CASES.items():
-            if world not in worlds:
-                continue
-            t0 = time.perf_counter()
-            try:
-                payload = ("ok", run(ctx))
-            except Exception:  # noqa: BLE001 - reported by rank 0 below
-                payload = ("error", traceback.format_exc())
-            gathered = [None] * world
-            dist.all_gather_object(gathered, payload)  # keeps every rank in step
-            if rank == 0:
-                errors = [f"rank {r}:\n{p[1]}" for r, p in enumerate(gathered) if p[0] == "error"]
-                if errors:
-                    results[name] = "\n".join(errors)
-                else:
-                    try:
-                        check(ctx, [p[1] for p in gathered])
-                        results[name] = "ok"
-                    except Exception:  # noqa: BLE001
-                        results[name] = traceback.format_exc()
-            timings[name] = time.perf_counter() - t0
+    ctx = Ctx(rank, world, group)
+    results, timings = {}, {}
+    for name, (run, check, worlds) in CASES.items():
+        if world not in worlds:
+            continue
+        t0 = time.perf_counter()
+        try:
+            payload = ("ok", run(ctx))
+        except Exception:  # noqa: BLE001 - reported by rank 0 below
+            payload = ("error", traceback.format_exc())
+        gathered = [None] * world
+        dist.all_gather_object(gathered, payload)  # keeps every rank in step
         if rank == 0:
-            with open(out_path, "wb") as f:
-                pickle.dump((results, timings), f)
-        ok = True
-    except BaseException:
-        traceback.print_exc()
-        ok = False
-    finally:
-        dist.destroy_process_group()
-    # Skip interpreter teardown: a gloo/inductor background thread torn down late can
-    # abort the process ("terminate called without an active exception") after the
-    # work is done and reported, which would turn a pass into a spurious failure.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if ok else 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            errors = [f"rank {r}:\n{p[1]}" for r, p in enumerate(gathered) if p[0] == "error"]
+            if errors:
+                results[name] = "\n".join(errors)
+            else:
+                try:
+                    check(ctx, [p[1] for p in gathered])
+                    results[name] = "ok"
+                except Exception:  # noqa: BLE001
+                    results[name] = traceback.format_exc()
+        timings[name] = time.perf_counter() - t0
+    return results, timings
 
 
 def run_world(world: int, timeout_s: float = 150.0):
-    """Spawn ``world`` ranks running every case; rank 0's ``{case: 'ok' | failure}``."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "results.pkl")
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, out_path)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        for i in hung:
-            procs[i].terminate()
-            procs[i].join(5)
-        if hung:
-            raise RuntimeError(f"world {world}: ranks {hung} did not finish in {timeout_s}s")
-        codes = [p.exitcode for p in procs]
-        if any(codes) or not os.path.exists(out_path):
-            raise RuntimeError(f"world {world}: rank exit codes {codes} (see captured stderr)")
-        with open(out_path, "rb") as f:
-            return pickle.load(f)
+    """Spawn ``world`` ranks running every case; rank 0's ``({case: 'ok' | failure}, timings)``."""
+    return run_ranks(_run_cases, world, timeout_s=timeout_s)[0]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"tp{w}")

@@ -16,7 +16,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-import k3fusion.kernels
+from _kernel_paths import cpu_path, spy_on_launcher
 from _tolerances import assert_matches_reference
 from k3fusion import reference
 from k3fusion.config import get_config, set_config
@@ -28,30 +28,9 @@ INTERPRETED = KERNEL_DEVICE == "cpu"  # fp32 -> bf16 casts truncate in the inter
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@contextlib.contextmanager
-def cpu_path(path: str):
-    """``"kernel"``: TRITON_INTERPRET=1 (the Triton kernel); ``"reference"``: unset."""
-    with pytest.MonkeyPatch.context() as mp:
-        if path == "kernel":
-            mp.setenv("TRITON_INTERPRET", "1")
-        else:
-            mp.delenv("TRITON_INTERPRET", raising=False)
-        yield
-
-
-@contextlib.contextmanager
 def launcher_calls():
     """Count calls of the kernel launcher the op imports (``k3fusion.kernels.dual_rms_norm``)."""
-    calls = []
-    real = k3fusion.kernels.dual_rms_norm
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("rows_per_program"))
-        return real(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(k3fusion.kernels, "dual_rms_norm", spy)
-        yield calls
+    return spy_on_launcher("dual_rms_norm", "rows_per_program")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,40 @@
+"""Choosing which CPU implementation an op runs, and watching its Triton launcher."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+import k3fusion.kernels
+
+__all__ = ["cpu_path", "spy_on_launcher"]
+
+
+@contextlib.contextmanager
+def cpu_path(path: str):
+    """``"kernel"``: TRITON_INTERPRET=1 (the Triton kernel); ``"reference"``: unset.
+
+    The ops read the variable at call time (the kernels were decorated at import)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if path == "kernel":
+            mp.setenv("TRITON_INTERPRET", "1")
+        else:
+            mp.delenv("TRITON_INTERPRET", raising=False)
+        yield
+
+
+@contextlib.contextmanager
+def spy_on_launcher(name: str, record: str):
+    """Record, per call of ``k3fusion.kernels.<name>`` (the launcher the ops import), the
+    value of its keyword argument ``record``."""
+    calls = []
+    real = getattr(k3fusion.kernels, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get(record))
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(k3fusion.kernels, name, spy)
+        yield calls
