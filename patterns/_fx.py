@@ -14,8 +14,11 @@ prims = torch.ops.prims
 __all__ = [
     "NoMatch", "aten", "prims", "is_op", "strip_casts", "matmul_operands", "val", "dtype_of", "operands", "only_user",
     "is_graph_input", "external_users", "hoist_before", "fake_call",
-    "erase_unused", "VIEW_OPS", "plan_size_reads", "apply_size_reads",
+    "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
 ]
+
+# Reshapes (what a Linear's [B, S, K] -> [T, K] flattening lowers to).
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 # Ops that only reinterpret memory: walking through them keeps "the same value".
 VIEW_OPS = frozenset({

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from ._fx import (NoMatch, apply_size_reads, aten, dtype_of, erase_unused, external_users,
-                  fake_call, hoist_before, is_graph_input, is_op, matmul_operands, only_user,
-                  operands, plan_size_reads, prims, val)
-from .rms_norm import RMSNormMatch, inverse_rms, parameter_weight, same_input, upcast_input
+from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, dtype_of, erase_unused,
+                  external_users, fake_call, hoist_before, is_graph_input, is_op,
+                  matmul_operands, only_user, operands, plan_size_reads, prims, val)
+from .rms_norm import (RMSNormMatch, eps_op_args, inverse_rms, parameter_weight, same_input,
+                       upcast_input)
 
 __all__ = ["FUSION_NAME", "AttnResSite", "match_attn_res", "fuse_attn_res"]
 
@@ -40,7 +41,6 @@ FUSION_NAME = "attn_res"
 
 _CAST = prims.convert_element_type.default
 _MUL = aten.mul.Tensor
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _online_softmax_ops() -> tuple:
@@ -120,7 +120,7 @@ def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     if not (is_op(logits, aten.squeeze.dim) and _dim_is(logits.args[0], logits.args[1], -1)):
         raise NoMatch("logits are not a squeezed projection")
     view = logits.args[0]
-    if not (is_op(view, *_VIEWS) and val(view).shape[-1] == 1):
+    if not (is_op(view, *RESHAPES) and val(view).shape[-1] == 1):
         raise NoMatch("projection output is not [..., S, 1]")
     product = matmul_operands(view.args[0])
     if product is None:
@@ -129,7 +129,7 @@ def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     if not (is_op(w_t, aten.permute.default) and list(w_t.args[1]) == [1, 0]):
         raise NoMatch("projection weight is not transposed")
     proj_w, w_nodes = parameter_weight_2d(w_t.args[0])
-    if not is_op(flat_keys, *_VIEWS):
+    if not is_op(flat_keys, *RESHAPES):
         raise NoMatch("keys are not flattened for the projection")
     # Everything between the keys and the logits belongs to the site (a decomposed
     # product adds unsqueezes, casts and a sum around the multiply).
@@ -239,11 +239,11 @@ def _source_layout(sources: Node) -> tuple[Node, list[Node] | None, Node | None,
     width = val(sources).shape[-1]
     if is_op(sources, aten.unsqueeze.default) and _dim_is(sources, sources.args[1], -2):
         return sources.args[0], [], None, 0, [sources]  # a single source: the prefix
-    if (is_op(sources, *_VIEWS) and not is_op(sources.args[0], aten.cat.default)
+    if (is_op(sources, *RESHAPES) and not is_op(sources.args[0], aten.cat.default)
             and val(sources).shape[-2] == 1
             and val(sources.args[0]).shape == val(sources).shape[:-2] + (width,)):
         return sources.args[0], [], None, 0, [sources]  # stack([prefix], -2) as a view
-    if is_op(sources, *_VIEWS) and is_op(sources.args[0], aten.cat.default):
+    if is_op(sources, *RESHAPES) and is_op(sources.args[0], aten.cat.default):
         # stack(items, -2) lowers to cat(items, -1) viewed as [..., S, H]
         cat = sources.args[0]
         items = list(cat.args[0])
@@ -310,10 +310,6 @@ def _call(graph: Graph, target, args: tuple) -> Node:
     node = graph.call_function(target, args)
     node.meta["val"] = fake_call(target, args)
     return node
-
-
-def _eps_args(eps: float | Node) -> tuple[float, Node | None]:
-    return (0.0, eps) if isinstance(eps, Node) else (eps, None)
 
 
 class _BlockStacks:
@@ -389,8 +385,8 @@ def _plan(graph: Graph, site: AttnResSite, by_input: dict[Node, RMSNormMatch],
 
 def _op_args(plan: _Rewrite, bank, proj) -> tuple:
     site, norm = plan.site, plan.out_norm
-    eps, eps_t = _eps_args(site.eps)
-    out_eps, out_eps_t = _eps_args(norm.eps) if norm else (1e-6, None)
+    eps, eps_t = eps_op_args(site.eps)
+    out_eps, out_eps_t = eps_op_args(norm.eps) if norm else (1e-6, None)
     return (plan.prefix_in, bank, site.num_blocks, site.norm_w, proj, eps, plan.delta,
             norm.weight if norm else None, out_eps, norm.weight_in_fp32 if norm else False,
             eps_t, out_eps_t)

@@ -43,15 +43,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from ._fx import (NoMatch, apply_size_reads, aten, erase_unused, external_users, fake_call,
-                  is_graph_input, is_op, plan_size_reads, val)
-from .rms_norm import RMSNormMatch
+from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, erase_unused, external_users,
+                  fake_call, is_graph_input, is_op, plan_size_reads, val)
+from .rms_norm import RMSNormMatch, eps_op_args
 
 __all__ = ["FUSION_NAME", "MoETailSite", "match_moe_tail", "fuse_moe_tail"]
 
 FUSION_NAME = "moe_tail"
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _MM = (aten.mm.default, aten.addmm.default)
 
 
@@ -77,7 +76,7 @@ class MoETailSite:
 
 def _through_views(node: object, chain: list[Node]) -> object:
     """Walk up single-user views; the views are appended to ``chain``."""
-    while is_op(node, *_VIEWS):
+    while is_op(node, *RESHAPES):
         chain.append(node)
         node = node.args[0]
     return node
@@ -229,7 +228,7 @@ def _site(anchor, partner, mm, chain, norm_chain, wt, norm: RMSNormMatch) -> MoE
 
 def _op_args(site: MoETailSite, shared=None) -> tuple:
     eps = site.norm.eps
-    eps, eps_t = (0.0, eps) if isinstance(eps, Node) else (eps, None)
+    eps, eps_t = eps_op_args(eps)
     shared = site.shared if shared is None else shared
     return (site.routed, shared, site.norm.weight, eps, site.up_w, site.group_name,
             site.norm.weight_in_fp32, eps_t)

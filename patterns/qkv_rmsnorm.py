@@ -29,7 +29,7 @@ from torch.fx import Graph, Node
 
 from ._fx import (VIEW_OPS, NoMatch, apply_size_reads, erase_unused, fake_call, hoist_before,
                   is_op, matmul_operands, plan_size_reads)
-from .rms_norm import RMSNormMatch
+from .rms_norm import RMSNormMatch, eps_op_args
 
 __all__ = ["FUSION_NAME", "REGION_INPUTS", "pairing_source", "pair_qkv_norms", "fuse_qkv_rmsnorm"]
 
@@ -112,10 +112,7 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
     """
     op = torch.ops.k3fusion.dual_rms_norm.default
 
-    def eps_args(m: RMSNormMatch) -> tuple[float, Node | None]:
-        return (0.0, m.eps) if isinstance(m.eps, Node) else (m.eps, None)
-
-    (eps_a, eps_a_tensor), (eps_b, eps_b_tensor) = eps_args(a), eps_args(b)
+    (eps_a, eps_a_tensor), (eps_b, eps_b_tensor) = eps_op_args(a.eps), eps_op_args(b.eps)
     args = (a.x, a.weight, eps_a, b.x, b.weight, eps_b, a.weight_in_fp32, b.weight_in_fp32,
             eps_a_tensor, eps_b_tensor)
     try:  # the op's own checks (strides, devices...) before the graph is touched

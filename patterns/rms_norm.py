@@ -40,7 +40,7 @@ from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op
                   operands, prims, val)
 
 __all__ = ["RMSNormMatch", "RMSNormRejection", "find_rms_norms", "match_rms_norm",
-           "inverse_rms", "upcast_input", "parameter_weight", "same_input"]
+           "inverse_rms", "upcast_input", "parameter_weight", "same_input", "eps_op_args"]
 
 _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ADD = (aten.add.Tensor, aten.add.Scalar)
@@ -208,6 +208,13 @@ def match_rms_norm(rsqrt: Node) -> RMSNormMatch:
         raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
     return RMSNormMatch(x=x, weight=weight, eps=eps, weight_in_fp32=weight_in_fp32,
                         out=out, nodes=nodes)
+
+
+def eps_op_args(eps: float | Node) -> tuple[float, Node | None]:
+    """An eps as the ops take it: ``(eps, None)`` for a constant, ``(0.0, node)`` for the
+    0-dim graph input ``torch.compile(dynamic=True)`` makes of it (the ops' ``*_tensor``
+    argument then replaces the float)."""
+    return (0.0, eps) if isinstance(eps, Node) else (eps, None)
 
 
 def find_rms_norms(graph: Graph) -> tuple[list[RMSNormMatch], list[RMSNormRejection]]:
