@@ -22,6 +22,7 @@ Anything else falls through to the original module, so results never change.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -364,16 +365,16 @@ class _FusedAttnResStep:
 
     def __init__(self, original) -> None:
         self.original = original
-        self._specs: dict[int, object] = {}
+        # Keyed by the module itself, weakly: an id() could be reused by a later module.
+        self._specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stacked: tuple[tuple, torch.Tensor] | None = None
 
     def _spec(self, module: nn.Module | None, fn):
         if module is None:
             return None
-        key = id(module)
-        if key not in self._specs:
-            self._specs[key] = fn(module) or False
-        return self._specs[key]
+        if module not in self._specs:
+            self._specs[module] = fn(module) or False
+        return self._specs[module]
 
     def _stack(self, blocks: list[torch.Tensor], prefix: torch.Tensor) -> torch.Tensor:
         """The list bank's blocks as one [..., n, H] tensor, reused while they are unchanged."""

@@ -187,3 +187,23 @@ def test_patched_model_compiles_to_the_graph_fusion():
             got = torch.compile(model, backend="k3fusion")(ids)
     assert k3fusion.match_counts()["qkv_rmsnorm"] == cfg.num_layers
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bank", ["list", "tensor"])
+def test_patch_model_runs_every_attn_res_site_fused(bank, monkeypatch):
+    """Every AttnRes site of a patched model runs a k3fusion AttnRes op, and the logits
+    equal the unpatched model's (fp32: only summation order differs)."""
+    _reference_kernels(monkeypatch)
+    cfg = KimiK3Config.tiny(dtype=torch.float32, attn_res=True, attn_res_bank=bank,
+                            attn_res_block_size=1, attn_res_precision="fp32", num_layers=3)
+    model = KimiK3ForCausalLM(cfg, seed=4).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    ops = (torch.ops.k3fusion.attn_res.default, torch.ops.k3fusion.attn_res_.default)
+    with torch.no_grad():
+        want = model(ids)
+        report = patch_model(model)
+        assert sum(name.endswith("apply_attn_res") for name in report.patched) == cfg.num_layers + 1
+        with CountOps(ops[0]) as functional, CountOps(ops[1]) as in_place:
+            got = model(ids)
+    assert functional.calls + in_place.calls == model.attn_res_sites
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
