@@ -1,49 +1,72 @@
 """Block Attention Residuals (AttnRes) in one Triton launch: the prefix update, the block
 write, the depth-softmax over the sources and the output RMSNorm.
 
-Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Per token
-(one program per token, ``grid = (T,)``):
+Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Per token:
 
 1. ``HAS_DELTA``: ``p = (prefix + delta).to(prefix.dtype)`` (fp32 add, one rounding),
    stored to ``prefix_out`` -- the prefix itself for the in-place op, a new buffer for
    the functional one. The *rounded* value is the last source, as in the spec.
 2. ``WRITE_BLOCK``: the same rounded row is stored to ``blocks[t, block_write_idx]``.
-3. An online (streaming) softmax over the sources, so every source row is read from
-   memory exactly once: the prefix (already in registers) seeds the running state, then
-   ``blocks[t, :num_blocks]`` are streamed ``SOURCES_PER_TILE`` rows at a time. For a
-   source ``v``: ``logit = rsqrt(sum(v*v)/H + eps) * sum(v * g)`` with
-   ``g = norm_w * proj_w`` (fp32), and with the running max ``m``, denominator ``den``
-   and mix ``acc[H]``::
+3. A softmax over the sources ``blocks[t, :num_blocks]`` and ``p``, keyed by
+   ``logit = rsqrt(sum(v*v)/H + eps) * sum(v * g)`` with ``g = norm_w * proj_w`` (fp32),
+   ``mixed = (sum_s softmax_s * v_s).to(prefix.dtype)``. (The spec's
+   ``(v * norm_w) * proj_w`` differs from ``v * g`` by an fp32 rounding per term, part
+   of the fp32 evaluation-order drift the tests allow for.)
+4. ``HAS_OUT_NORM``: RMSNorm of the mix in either formulation of
+   ``k3fusion.reference.rms_norm`` (cast-then-weight rounds the normalized row to the
+   prefix dtype before the weight multiply; ``OUT_WEIGHT_IN_FP32`` does not).
+
+Two kernels, one per regime (the four feature switches are constexpr in both, so dead
+code compiles out):
+
+* **split** (decode, T <= :data:`SPLIT_MAX_TOKENS`): ``cdiv(H, CHUNK)`` programs per
+  token, each holding its ``CHUNK`` columns of *every* source in registers at once (a
+  ``[S_PAD, CHUNK]`` tile), so a token's bytes are in flight on many SMs at the same time
+  instead of one source after the other on one SM. The logits need whole-row sums: each
+  program stores its partial ``sum(v*g)`` and ``sum(v*v)`` per source, the token's
+  programs meet at a barrier, and each sums the partials, forms the softmax weights and
+  mixes its own chunk. The output norm needs the sum of squares of the whole *rounded*
+  mix (the spec): a second partial-sum exchange. (Taking it from the Gram matrix of the
+  sources instead -- one exchange -- squares the unrounded mix, which differs from the
+  spec by the rounding's bias: ~1% under the interpreter's truncating casts.)
+* **row** (prefill, large T): one program per token and an online (streaming) softmax
+  over sources, each source row read once: the prefix (already in registers) seeds the
+  running max ``m``, denominator ``den`` and mix ``acc[H]``; blocks are streamed
+  ``SOURCES_PER_TILE`` rows at a time::
 
        m' = max(m, logit); acc = acc * exp(m - m') + exp(logit - m') * v
        den = den * exp(m - m') + exp(logit - m'); m = m'
 
-   ``mixed = (acc / den).to(prefix.dtype)``. (``g`` is formed once per program; the
-   spec's ``(v * norm_w) * proj_w`` differs from ``v * g`` by an fp32 rounding per term,
-   part of the fp32 evaluation-order drift the tests allow for.)
-4. ``HAS_OUT_NORM``: RMSNorm of the *rounded* mix (the spec rounds it to the model dtype
-   first), in either formulation of ``k3fusion.reference.rms_norm``:
-   cast-then-weight rounds the normalized row to the prefix dtype before the weight
-   multiply; ``OUT_WEIGHT_IN_FP32`` does not.
+  Many tokens fill the GPU, so no cross-program exchange is needed.
 
-``num_blocks == 0`` is a fast path: one source, softmax weight 1, ``mixed = p``; no
-reductions, no exp.
+The split kernel's barrier: programs of one token add to that token's int64 counter in
+``sync``; the adds of one exchange total exactly ``SYNC_EPOCH`` (chunk 0 adds
+``SYNC_EPOCH - (n - 1)``, the others 1), so the counter is a multiple of ``SYNC_EPOCH``
+between exchanges whatever ``n`` was, and each program waits for the next multiple. The
+buffer never needs resetting (CUDA-graph replays included) and different widths share
+it. Requirements: all programs of a token must be resident together (a token's programs
+are adjacent in the grid and blocks are dispatched in order, so earlier tokens always
+finish; split launches are small anyway), and two launches must not use one counter
+concurrently (one buffer per device and stream). Under Triton's CPU interpreter programs
+run one after another, so a barrier would wait forever: there the split kernel runs as
+separate launches per ``PHASE`` -- the same arithmetic, which a GPU test compares bit for
+bit with the one-launch form.
 
-What is constexpr and why: the four feature switches (dead code is compiled out, so the
-in-place decode variant carries no delta/norm registers it does not use), the tile
-shape (``BLOCK_H = next_pow2(H)``: the whole fp32 ``acc`` row lives in registers;
-``SOURCES_PER_TILE``: the load shape). ``num_blocks`` and ``block_write_idx`` are
-*runtime* arguments and explicitly not specialized (``do_not_specialize``): the count of
-completed blocks grows layer by layer (0, 1, ..., 8 for Kimi-K3), and a new value must
-never cost a recompile -- Triton would otherwise specialize an int argument equal to 1
-or divisible by 16.
+What the barrier costs: measured on the H200, each exchange (CTA barrier, release atomic,
+acquire poll, reading the partials back from L2) adds on the order of 1-2 us to a token,
+so the split kernel wins only while few tokens leave most SMs idle (docs/benchmarks.md).
 
-Launch shapes (:func:`pick_launch_shape`): a *decode* shape loads several sources per
-tile (one ``[SOURCES_PER_TILE, BLOCK_H]`` load: more bytes in flight for the few
-programs a small batch gives), a *prefill* shape one source per tile (smaller tiles,
-fewer registers, more programs resident). Offsets are int64: ``T * token_stride`` and
-``block * block_stride`` overflow int32 at long prefill sizes (a bank stacked along dim
-0 has a block stride of ``T * H``).
+``num_blocks == 0`` is a fast path in both: one source, softmax weight exactly 1,
+``mixed = p``; no logit is computed (a row whose sum of squares overflows stays exact).
+
+``num_blocks`` and ``block_write_idx`` are *runtime* arguments, explicitly not
+specialized (``do_not_specialize``): the count of completed blocks grows layer by layer
+(0, 1, ..., 8 for Kimi-K3) and a new value must never cost a recompile. The split
+kernel's source tile ``S_PAD`` is the source count rounded up to a power of two: Kimi-K3's
+nine counts share four compiled variants (2, 4, 8, 16 rows), all built in the first
+step. Offsets are int64: ``T * token_stride``
+and ``block * block_stride`` overflow int32 at long prefill sizes (a bank stacked along
+dim 0 has a block stride of ``T * H``).
 """
 
 from __future__ import annotations
@@ -54,19 +77,72 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import check_launchable
+from ._launch import cdiv, check_launchable, interpreter_enabled
 
-__all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS",
-           "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE"]
+__all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
+           "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
+           "SPLIT_CHUNK", "SPLIT_MAX_PROGRAMS", "SPLIT_MAX_SOURCES"]
 
-#: From this many tokens on, the prefill shape is used. Measured on the H200 (bf16,
-#: H = 7168, 9 sources; docs/benchmarks.md): the decode shape is best up to T = 512
-#: (4x16: 35.5 us vs 37.1 for 1x8) and the prefill shape from 4096 on (2x4: 241 us vs 245).
+#: From this many tokens on, the row kernel uses its prefill shape. Measured on the H200
+#: (bf16, H = 7168, 9 sources; docs/benchmarks.md): 4x16 best up to T = 512, 2x4 from 4096.
 PREFILL_TOKENS = 1024
-#: Sources per tile of the decode shape (4x16 was fastest from T = 1 to 512).
+#: Sources per tile of the row kernel's decode shape.
 DECODE_SOURCES_PER_TILE = 4
-#: Sources per tile of the prefill shape (2x4 was fastest at T = 4096).
+#: Sources per tile of the row kernel's prefill shape.
 PREFILL_SOURCES_PER_TILE = 2
+#: Up to this many tokens the split kernel runs. Measured on the H200 (bf16, H = 7168, 9
+#: sources, docs/benchmarks.md): split 6.36 us vs row 7.10 at T = 1, 6.60 vs 7.57 at 8;
+#: the row kernel wins from T = 32 on (9.16 vs 9.31), by far from 128 on (the barrier
+#: exchanges cost each token ~2 us, which many tokens no longer hide).
+SPLIT_MAX_TOKENS = 16
+#: Columns per program of the split kernel (14 programs per 7168-wide token) ...
+SPLIT_CHUNK = 512
+#: ... and warps: 512 x 2 was best or within 0.4 us of the best at T = 1 and 8.
+SPLIT_NUM_WARPS = 2
+#: Most programs one split launch may have (forced launches included): a token's programs
+#: must be resident together while they wait at the barrier; in-order dispatch keeps that
+#: true for any grid, this bound keeps it far from the limits of the counter buffer.
+SPLIT_MAX_PROGRAMS = 1 << 20
+#: Most sources (blocks + prefix) the split kernel holds in registers at once.
+SPLIT_MAX_SOURCES = 32
+#: What the programs of one token add to its barrier counter per launch (> any grid dim).
+SYNC_EPOCH = tl.constexpr(1 << 32)
+
+
+# ---------------------------------------------------------------------- shared pieces
+
+
+@triton.jit
+def _update_prefix(prefix_ptr, delta_ptr, prefix_out_ptr, cols, cmask, HAS_DELTA: tl.constexpr):
+    """The (rounded) prefix row or chunk, after the delta add, stored to prefix_out."""
+    p = tl.load(prefix_ptr + cols, mask=cmask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + cols, mask=cmask, other=0.0)
+        # fp32 add, one rounding to the prefix dtype: the rounded value is the new prefix
+        # and the last source (as the spec's prefix.copy_(...) then re-read).
+        p = (p.to(tl.float32) + d.to(tl.float32)).to(prefix_ptr.dtype.element_ty)
+        tl.store(prefix_out_ptr + cols, p, mask=cmask)
+    return p
+
+
+@triton.jit
+def _store_output(out_ptr, mixed, cmask, out_norm_w_ptr, inv_rms,
+                  HAS_OUT_NORM: tl.constexpr, OUT_WEIGHT_IN_FP32: tl.constexpr):
+    """Store the rounded mix, or its RMSNorm given the row's ``inv_rms``."""
+    if HAS_OUT_NORM:
+        y = mixed.to(tl.float32)
+        w_out = tl.load(out_norm_w_ptr, mask=cmask, other=0.0).to(tl.float32)
+        if OUT_WEIGHT_IN_FP32:
+            y = y * inv_rms * w_out
+        else:
+            # cast-then-weight: the normalized row is rounded before weighting.
+            y = (y * inv_rms).to(mixed.dtype).to(tl.float32) * w_out
+        tl.store(out_ptr, y.to(out_ptr.dtype.element_ty), mask=cmask)
+    else:
+        tl.store(out_ptr, mixed.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+# ---------------------------------------------------------------------- row kernel
 
 
 @triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
@@ -87,18 +163,14 @@ def _attn_res_kernel(
     HAS_OUT_NORM: tl.constexpr,
     OUT_WEIGHT_IN_FP32: tl.constexpr,
 ):
+    """One program per token (``grid = (T,)``), online softmax over the sources."""
     tok = tl.program_id(0).to(tl.int64)  # int64: token * stride overflows int32
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
     dtype = prefix_ptr.dtype.element_ty
 
-    p = tl.load(prefix_ptr + tok * prefix_stride + cols, mask=cmask, other=0.0)
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + tok * delta_stride + cols, mask=cmask, other=0.0)
-        # fp32 add, one rounding to the prefix dtype: the rounded value is the new prefix
-        # and the last source (as the spec's prefix.copy_(...) then re-read).
-        p = (p.to(tl.float32) + d.to(tl.float32)).to(dtype)
-        tl.store(prefix_out_ptr + tok * prefix_out_stride + cols, p, mask=cmask)
+    p = _update_prefix(prefix_ptr + tok * prefix_stride, delta_ptr + tok * delta_stride,
+                       prefix_out_ptr + tok * prefix_out_stride, cols, cmask, HAS_DELTA)
     blocks_row = blocks_ptr + tok * blocks_token_stride
     if WRITE_BLOCK:
         tl.store(blocks_row + block_write_idx.to(tl.int64) * blocks_block_stride + cols, p,
@@ -138,46 +210,214 @@ def _attn_res_kernel(
     # The spec rounds the mix to the model dtype (a module materializes it) before the
     # output norm reads it.
     mixed = mixed.to(dtype)
+    inv_rms = 0.0
     if HAS_OUT_NORM:
         y = mixed.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(y * y, axis=0) / H + out_eps)
-        w_out = tl.load(out_norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        if OUT_WEIGHT_IN_FP32:
-            y = y * inv_rms * w_out
+    _store_output(out_ptr + tok * out_stride + cols, mixed, cmask, out_norm_w_ptr + cols,
+                  inv_rms, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
+
+
+# ---------------------------------------------------------------------- split kernel
+
+
+@triton.jit
+def _token_barrier(counter_ptr, chunk, N_CHUNKS: tl.constexpr, EPOCH: tl.constexpr):
+    """Wait until every program of this token has arrived (see the module docstring).
+
+    The pattern of CUDA's cooperative grid sync: a CTA barrier (every thread's partial-sum
+    stores are ordered before it), then one thread's *release* atomic at GPU scope, which
+    is cumulative -- it publishes what the barrier ordered, not only its own thread's
+    stores; one thread polls with *acquire* loads, and a CTA barrier hands that on."""
+    tl.debug_barrier()
+    add = 1 + (chunk == 0).to(tl.int64) * (EPOCH - N_CHUNKS)
+    old = tl.atomic_add(counter_ptr, add, sem="release", scope="gpu")
+    target = (old // EPOCH + 1) * EPOCH
+    seen = old + add
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
+def _attn_res_split_kernel(
+    prefix_ptr, prefix_stride,
+    prefix_out_ptr, prefix_out_stride,
+    delta_ptr, delta_stride,
+    blocks_ptr, blocks_token_stride, blocks_block_stride,
+    num_blocks,
+    block_write_idx,
+    norm_w_ptr, proj_w_ptr, out_norm_w_ptr,
+    out_ptr, out_stride,
+    partials_ptr, sync_ptr,
+    H, eps, out_eps,
+    CHUNK: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+    N_CHUNKS_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    WRITE_BLOCK: tl.constexpr,
+    HAS_OUT_NORM: tl.constexpr,
+    OUT_WEIGHT_IN_FP32: tl.constexpr,
+    PHASE: tl.constexpr,
+):
+    """``grid = (N_CHUNKS, T)``: program ``(c, t)`` owns columns ``[c*CHUNK, (c+1)*CHUNK)``
+    of token ``t``. ``PHASE`` 0 runs all of it with the barriers; the interpreter runs
+    1 (up to the source sums), 2 (up to the mix's sum of squares, or the output when
+    there is no norm) and 3 (the normed output) as separate launches."""
+    chunk = tl.program_id(0)
+    tok = tl.program_id(1).to(tl.int64)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    cmask = cols < H
+    dtype = prefix_ptr.dtype.element_ty
+    srcs = tl.arange(0, S_PAD)
+    # Partial sums, one record per (token, chunk): sum(v*g) and sum(v*v) per source, then
+    # the chunk's sum of squares of the rounded mix.
+    REC: tl.constexpr = 2 * S_PAD + 1
+    token_recs = partials_ptr + tok * N_CHUNKS_PAD * REC
+    rec_ptr = token_recs + chunk * REC
+    # Every chunk's record of this token ([N_CHUNKS_PAD]); .cg loads: from L2, where the
+    # other programs stored them, never a stale L1 line.
+    ks = tl.arange(0, N_CHUNKS_PAD)
+    kmask = ks < N_CHUNKS
+    counter = sync_ptr + tok
+
+    if PHASE >= 2:
+        # An earlier launch updated the prefix (prefix_out holds the rounded row).
+        if HAS_DELTA:
+            p = tl.load(prefix_out_ptr + tok * prefix_out_stride + cols, mask=cmask, other=0.0)
         else:
-            # cast-then-weight: the normalized row is rounded before weighting.
-            y = (y * inv_rms).to(dtype).to(tl.float32) * w_out
-        tl.store(out_ptr + tok * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
+            p = tl.load(prefix_ptr + tok * prefix_stride + cols, mask=cmask, other=0.0)
     else:
-        tl.store(out_ptr + tok * out_stride + cols, mixed.to(out_ptr.dtype.element_ty),
-                 mask=cmask)
+        p = _update_prefix(prefix_ptr + tok * prefix_stride, delta_ptr + tok * delta_stride,
+                           prefix_out_ptr + tok * prefix_out_stride, cols, cmask, HAS_DELTA)
+        blocks_row = blocks_ptr + tok * blocks_token_stride
+        if WRITE_BLOCK:
+            tl.store(blocks_row + block_write_idx.to(tl.int64) * blocks_block_stride + cols, p,
+                     mask=cmask)
+
+    if num_blocks == 0 and not HAS_OUT_NORM:
+        # One source and no norm: nothing needs the other chunks.
+        if PHASE == 0 or PHASE == 2:
+            tl.store(out_ptr + tok * out_stride + cols, p.to(out_ptr.dtype.element_ty),
+                     mask=cmask)
+    else:
+        if num_blocks == 0:
+            # One source: softmax weight exactly 1, no logit (an overflowing row stays exact).
+            mixed = p
+        else:
+            # Every source's chunk at once: blocks in rows [0, num_blocks), the prefix in
+            # row num_blocks, zeros below (they add nothing to any sum).
+            smask = srcs < num_blocks
+            x = tl.load(blocks_ptr + tok * blocks_token_stride
+                        + srcs.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
+                        mask=smask[:, None] & cmask[None, :], other=0.0)
+            x = tl.where((srcs == num_blocks)[:, None], p[None, :], x).to(tl.float32)
+            if PHASE <= 1:
+                g = (tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+                     * tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
+                tl.store(rec_ptr + srcs, tl.sum(x * g[None, :], axis=1))
+                tl.store(rec_ptr + S_PAD + srcs, tl.sum(x * x, axis=1))
+            if PHASE == 0:
+                _token_barrier(counter, chunk, N_CHUNKS, SYNC_EPOCH)
+            if PHASE != 1:
+                recs = token_recs + ks[:, None] * REC + srcs[None, :]
+                dots = tl.sum(tl.load(recs, mask=kmask[:, None], other=0.0,
+                                      cache_modifier=".cg"), axis=0)
+                sumsq = tl.sum(tl.load(recs + S_PAD, mask=kmask[:, None], other=0.0,
+                                       cache_modifier=".cg"), axis=0)
+                logit = tl.rsqrt(sumsq / H + eps) * dots
+                logit = tl.where(srcs <= num_blocks, logit, float("-inf"))
+                e = tl.exp(logit - tl.max(logit, axis=0))
+                w = e / tl.sum(e, axis=0)
+                mixed = tl.sum(w[:, None] * x, axis=0).to(dtype)
+        if PHASE != 1:
+            if HAS_OUT_NORM:
+                # The norm reads the mix rounded to the model dtype (the spec): its sum of
+                # squares needs every chunk, hence a second exchange.
+                if PHASE != 3:
+                    y = mixed.to(tl.float32)
+                    tl.store(rec_ptr + 2 * S_PAD, tl.sum(y * y, axis=0))
+                if PHASE == 0:
+                    _token_barrier(counter, chunk, N_CHUNKS, SYNC_EPOCH)
+                if PHASE != 2:
+                    sq = tl.sum(tl.load(token_recs + ks * REC + 2 * S_PAD, mask=kmask,
+                                        other=0.0, cache_modifier=".cg"), axis=0)
+                    _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
+                                  out_norm_w_ptr + cols, tl.rsqrt(sq / H + out_eps),
+                                  HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
+            else:
+                _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
+                              out_norm_w_ptr + cols, 0.0, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
+
+
+_sync_buffers: dict[tuple, torch.Tensor] = {}
+
+
+def _sync_buffer(device: torch.device, tokens: int) -> torch.Tensor:
+    """This device and stream's barrier counters (int64, one per token slot), grown as needed."""
+    if device.type == "cuda":
+        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    else:
+        key = (None, 0)
+    buf = _sync_buffers.get(key)
+    if buf is None or buf.numel() < tokens:
+        # A buffer allocated inside a CUDA-graph capture is zeroed by the graph itself on
+        # each replay; the counters only need to start at a multiple of SYNC_EPOCH.
+        buf = torch.zeros(max(tokens, 256), dtype=torch.int64, device=device)
+        _sync_buffers[key] = buf
+    return buf
+
+
+# ---------------------------------------------------------------------- launch
 
 
 @dataclass(frozen=True)
 class LaunchShape:
-    """Sources loaded per tile (1: the prefill shape), warps per program, row tile width."""
+    """Which kernel and its tile: ``kind`` "split" (``chunk`` columns per program) or "row"
+    (``sources_per_tile`` sources per load), warps per program, and the row tile."""
 
-    sources_per_tile: int
+    kind: str
     num_warps: int
     block_h: int
+    sources_per_tile: int = 0
+    chunk: int = 0
 
 
 def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | None = None,
-                      sources_per_tile: int = 0, num_warps: int = 0) -> LaunchShape:
+                      sources_per_tile: int = 0, num_warps: int = 0, kind: str = "auto",
+                      chunk: int = 0, split_max_tokens: int | None = None) -> LaunchShape:
     """Launch shape for ``T`` tokens of width ``H`` with ``num_blocks`` completed blocks.
 
-    * decode (T < ``prefill_tokens``, default :data:`PREFILL_TOKENS`):
-      :data:`DECODE_SOURCES_PER_TILE` sources per tile, 64 tile elements per thread;
-    * prefill: :data:`PREFILL_SOURCES_PER_TILE` sources per tile, 128 per thread;
-    * never more sources per tile than there are sources (rounded up to a power of two).
+    * split kernel for ``T <= split_max_tokens`` (default :data:`SPLIT_MAX_TOKENS`) and
+      at most :data:`SPLIT_MAX_SOURCES` sources: :data:`SPLIT_CHUNK` columns per program
+      (no wider than the row), :data:`SPLIT_NUM_WARPS` warps;
+    * else the row kernel: decode shape (T < ``prefill_tokens``, default
+      :data:`PREFILL_TOKENS`) :data:`DECODE_SOURCES_PER_TILE` sources per tile, 64 tile
+      elements per thread; prefill shape :data:`PREFILL_SOURCES_PER_TILE`, 128 per thread;
+      never more sources per tile than there are sources (rounded up to a power of two).
 
-    At H = 7168 (BLOCK_H 8192) that is 4 sources x 16 warps and 2 x 4, the fastest shapes
-    of the H200 sweep (docs/benchmarks.md). ``num_blocks`` is a runtime argument of the
-    kernel: it only picks among these shapes, it never adds a compiled variant.
-    Register use (ptxas, sm_90, triton 3.7, bf16, every switch on): 4 x 16 128 registers,
-    no spills. ``sources_per_tile``/``num_warps`` > 0 override (tests, the sweep).
+    ``num_blocks`` is a runtime argument of both kernels: it only picks among these
+    shapes. ``kind`` ("split"/"row"), ``chunk``, ``sources_per_tile`` and ``num_warps``
+    override (tests, the benchmark sweep); ``sources_per_tile > 0`` implies the row kernel.
     """
+    if kind not in ("auto", "split", "row"):
+        raise ValueError(f"kind must be 'auto', 'split' or 'row', got {kind!r}")
     block_h = triton.next_power_of_2(max(H, 1))
+    if kind == "auto":
+        most = SPLIT_MAX_TOKENS if split_max_tokens is None else split_max_tokens
+        split = (sources_per_tile <= 0 and T <= most and num_blocks + 1 <= SPLIT_MAX_SOURCES
+                 and T * cdiv(H, chunk or SPLIT_CHUNK) <= SPLIT_MAX_PROGRAMS)
+        kind = "split" if split else "row"
+    if kind == "split":
+        if num_blocks + 1 > SPLIT_MAX_SOURCES:
+            raise ValueError(f"the split kernel holds at most {SPLIT_MAX_SOURCES} sources, "
+                             f"got num_blocks + 1 = {num_blocks + 1}")
+        chunk = chunk or SPLIT_CHUNK
+        if chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two, got {chunk}")
+        chunk = min(chunk, block_h)
+        return LaunchShape("split", num_warps or SPLIT_NUM_WARPS, block_h, chunk=chunk)
     threshold = PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
     prefill = T >= threshold
     if sources_per_tile <= 0:
@@ -193,7 +433,7 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
         num_warps = max(1, min(16, sources_per_tile * block_h // per_thread))
     if num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two, got {num_warps}")
-    return LaunchShape(sources_per_tile, num_warps, block_h)
+    return LaunchShape("row", num_warps, block_h, sources_per_tile=sources_per_tile)
 
 
 def attn_res(
@@ -214,6 +454,10 @@ def attn_res(
     prefill_tokens: int | None = None,
     sources_per_tile: int = 0,
     num_warps: int = 0,
+    kind: str = "auto",
+    chunk: int = 0,
+    split_max_tokens: int | None = None,
+    split_phases: bool = False,
 ) -> None:
     """Launch the AttnRes kernel on row views.
 
@@ -224,8 +468,10 @@ def attn_res(
     >= 0`` writes that row into ``blocks[:, block_write_idx]``.
 
     Arguments are validated by the caller (``k3fusion.ops``); this only checks what the
-    kernel itself needs. ``prefill_tokens``, ``sources_per_tile`` and ``num_warps``
-    override :func:`pick_launch_shape` (benchmark sweeps, tests).
+    kernel itself needs. ``prefill_tokens``, ``sources_per_tile``, ``num_warps``,
+    ``kind``, ``chunk`` and ``split_max_tokens`` override :func:`pick_launch_shape`
+    (benchmark sweeps, tests); ``split_phases`` runs the split kernel as two launches
+    (what the interpreter always does; a GPU test compares the two forms).
     """
     tensors = [prefix, blocks, norm_w, proj_w, out]
     if delta is not None:
@@ -245,10 +491,11 @@ def attn_res(
     if write and not num_blocks <= block_write_idx < nb_max:
         raise ValueError(f"block_write_idx {block_write_idx} outside [{num_blocks}, {nb_max})")
     shape = pick_launch_shape(T, H, num_blocks, prefill_tokens=prefill_tokens,
-                              sources_per_tile=sources_per_tile, num_warps=num_warps)
+                              sources_per_tile=sources_per_tile, num_warps=num_warps,
+                              kind=kind, chunk=chunk, split_max_tokens=split_max_tokens)
     has_delta = delta is not None
     has_norm = out_norm_w is not None
-    _attn_res_kernel[(T,)](
+    common = (
         prefix, prefix.stride(0),
         prefix_out if has_delta else prefix, (prefix_out if has_delta else prefix).stride(0),
         delta if has_delta else prefix, (delta if has_delta else prefix).stride(0),
@@ -257,12 +504,28 @@ def attn_res(
         int(block_write_idx) if write else 0,
         norm_w, proj_w, out_norm_w if has_norm else norm_w,
         out, out.stride(0),
-        H, float(eps), float(out_eps),
-        BLOCK_H=shape.block_h,
-        SOURCES_PER_TILE=shape.sources_per_tile,
-        HAS_DELTA=has_delta,
-        WRITE_BLOCK=write,
-        HAS_OUT_NORM=has_norm,
-        OUT_WEIGHT_IN_FP32=bool(out_weight_in_fp32),
-        num_warps=shape.num_warps,
     )
+    flags = dict(HAS_DELTA=has_delta, WRITE_BLOCK=write, HAS_OUT_NORM=has_norm,
+                 OUT_WEIGHT_IN_FP32=bool(out_weight_in_fp32), num_warps=shape.num_warps)
+    if shape.kind == "row":
+        _attn_res_kernel[(T,)](*common, H, float(eps), float(out_eps),
+                               BLOCK_H=shape.block_h, SOURCES_PER_TILE=shape.sources_per_tile,
+                               **flags)
+        return
+    n_chunks = cdiv(H, shape.chunk)
+    n_chunks_pad = triton.next_power_of_2(n_chunks)
+    # Bucketed so the block counts of a model (0..8 for Kimi-K3) share a few variants,
+    # all compiled in the first step; num_blocks itself stays a runtime argument.
+    s_pad = max(2, triton.next_power_of_2(num_blocks + 1))
+    partials = torch.empty((T, n_chunks_pad, 2 * s_pad + 1), dtype=torch.float32,
+                           device=prefix.device)
+    interpreted = prefix.device.type == "cpu" and interpreter_enabled()
+    sync = partials if interpreted else _sync_buffer(prefix.device, T)
+    split = dict(CHUNK=shape.chunk, N_CHUNKS=n_chunks, N_CHUNKS_PAD=n_chunks_pad, S_PAD=s_pad,
+                 **flags)
+    args = (*common, partials, sync, H, float(eps), float(out_eps))
+    if interpreted or split_phases:
+        for phase in (1, 2, 3) if has_norm else (1, 2):
+            _attn_res_split_kernel[(n_chunks, T)](*args, PHASE=phase, **split)
+    else:
+        _attn_res_split_kernel[(n_chunks, T)](*args, PHASE=0, **split)

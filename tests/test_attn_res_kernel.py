@@ -28,13 +28,19 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _tolerances import assert_matches_reference, ulp
+from _tolerances import (assert_close_ulps, assert_matches_reference, dual_norm_tolerance,
+                         ulp)
 from k3fusion import reference
 from k3fusion.kernels._launch import _kernels_are_interpreted
 from k3fusion.kernels.attn_res import (
     DECODE_SOURCES_PER_TILE, PREFILL_SOURCES_PER_TILE,
     PREFILL_TOKENS,
+    SPLIT_CHUNK,
+    SPLIT_MAX_SOURCES,
+    SPLIT_MAX_TOKENS,
+    SPLIT_NUM_WARPS,
     _attn_res_kernel,
+    _attn_res_split_kernel,
     pick_launch_shape,
 )
 from k3fusion.kernels.attn_res import attn_res as launch
@@ -152,7 +158,17 @@ class Case:
     eps: float
     out_eps: float
     log2_scale: int      # inputs ~ N(0, 1) * 2**log2_scale
-    sources_per_tile: int = 0  # 0: pick_launch_shape
+    sources_per_tile: int = 0  # > 0: the row kernel with this tile height
+    chunk: int = 0             # > 0: the split kernel with this chunk (else pick_launch_shape)
+
+    @property
+    def shape(self) -> dict:
+        """The launcher's shape arguments for this case."""
+        if self.chunk:
+            return {"kind": "split", "chunk": self.chunk}
+        if self.sources_per_tile:
+            return {"kind": "row", "sources_per_tile": self.sources_per_tile}
+        return {}
 
     @property
     def w_dtype(self) -> torch.dtype:
@@ -251,8 +267,7 @@ def check_mix_and_norm(c: Case, new_prefix: torch.Tensor, blocks: torch.Tensor,
         mix = kernel_mix
     else:
         mix = torch.empty(new_prefix.shape, device=device, dtype=c.dtype)
-        launch(new_prefix, blocks, c.num_blocks, norm_w, proj_w, c.eps, mix,
-               sources_per_tile=c.sources_per_tile)
+        launch(new_prefix, blocks, c.num_blocks, norm_w, proj_w, c.eps, mix, **c.shape)
     expected_mix = reference.attn_res(new_prefix.clone(), blocks.clone(), c.num_blocks, norm_w,
                                       proj_w, c.eps)
     if c.num_blocks == 0:
@@ -268,8 +283,20 @@ def check_mix_and_norm(c: Case, new_prefix: torch.Tensor, blocks: torch.Tensor,
             keep = torch.cat([torch.arange(0, out.shape[0] - 1, 7),
                               torch.tensor([out.shape[0] - 1])]).to(out.device)
             out, mix = out[keep], mix[keep]
-        assert_matches_reference(out, mix, out_norm_w, c.out_eps, c.out_norm == "fp32w",
-                                 bf16_casts_truncate=bf16_casts_truncate, msg=f"{msg} out")
+        if pick_launch_shape(c.T, c.H, c.num_blocks, **c.shape).kind == "split" \
+                and kernel_mix is None:
+            # The mix comes from a second launch, a different compiled variant of the split
+            # kernel (no norm): on the GPU its fp32 mix may round to a neighbouring 16-bit
+            # value in rare elements (FMA contraction and reduction order differ between
+            # variants; measured 1-2 of 917,504 elements at T = 128). One ulp more for that.
+            expected = reference.rms_norm(mix, out_norm_w, c.out_eps, c.out_norm == "fp32w")
+            ulps, ulp_dtype = dual_norm_tolerance(mix.dtype, out_norm_w.dtype,
+                                                  c.out_norm == "fp32w",
+                                                  bf16_casts_truncate=bf16_casts_truncate)
+            assert_close_ulps(out, expected, ulps + 1, ulp_dtype=ulp_dtype, msg=f"{msg} out")
+        else:
+            assert_matches_reference(out, mix, out_norm_w, c.out_eps, c.out_norm == "fp32w",
+                                     bf16_casts_truncate=bf16_casts_truncate, msg=f"{msg} out")
 
 
 def run_and_check(c: Case, seed: int, *, bf16_casts_truncate: bool = INTERPRETED,
@@ -288,7 +315,7 @@ def run_and_check(c: Case, seed: int, *, bf16_casts_truncate: bool = INTERPRETED
     launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, c.eps, out,
            delta=x.delta, prefix_out=prefix_out if c.has_delta else None,
            block_write_idx=c.write_idx, out_norm_w=x.out_norm_w, out_eps=c.out_eps,
-           out_weight_in_fp32=c.out_norm == "fp32w", sources_per_tile=c.sources_per_tile)
+           out_weight_in_fp32=c.out_norm == "fp32w", **c.shape)
 
     msg = str(c)
     # Inputs the kernel only reads.
@@ -334,6 +361,12 @@ TOKENS = st.one_of(st.sampled_from([0, 1, 2, 3, 7, 33]), st.integers(0, 40))
 WIDTHS = st.one_of(st.sampled_from([1, 3, 48, 64, 100, 129, 300]), st.integers(1, 300))
 
 
+#: Launch shapes: the heuristic, the row kernel's tile heights, the split kernel's chunks
+#: (16: many programs per token even at small H; 64: a chunk wider than some rows).
+SHAPES = st.sampled_from([{}, {"sources_per_tile": 1}, {"sources_per_tile": 2},
+                          {"sources_per_tile": 4}, {"chunk": 16}, {"chunk": 32}, {"chunk": 64}])
+
+
 @st.composite
 def cases(draw, tokens=TOKENS, widths=WIDTHS) -> Case:
     nb_max = draw(st.integers(0, 9))
@@ -358,7 +391,7 @@ def cases(draw, tokens=TOKENS, widths=WIDTHS) -> Case:
         eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
         out_eps=draw(st.sampled_from([1e-6, 1e-3])),
         log2_scale=draw(st.sampled_from([-6, 0, 6])),
-        sources_per_tile=draw(st.sampled_from([0, 1, 2, 4])),
+        **draw(SHAPES),
     )
 
 
@@ -403,6 +436,11 @@ def test_num_blocks_is_a_runtime_argument() -> None:
     else:
         not_specialized = {p.name for p in _attn_res_kernel.params if p.do_not_specialize}
     assert {"num_blocks", "block_write_idx"} <= not_specialized
+    if INTERPRETED:
+        not_specialized = set(_attn_res_split_kernel.kwargs["do_not_specialize"])
+    else:
+        not_specialized = {p.name for p in _attn_res_split_kernel.params if p.do_not_specialize}
+    assert {"num_blocks", "block_write_idx"} <= not_specialized
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -424,21 +462,27 @@ def test_zero_blocks_is_the_prefix(dtype: torch.dtype, out_norm: str) -> None:
     assert torch.equal(bits(out), bits(x.prefix))
 
 
+#: One of each kernel's shapes: the row kernel's tile heights, split chunks of 16 (three
+#: programs per 33-wide row) and 64.
+EVERY_SHAPE = [{"sources_per_tile": 1}, {"sources_per_tile": 2}, {"sources_per_tile": 4},
+               {"chunk": 16}, {"chunk": 64}]
+
+
 def test_sources_past_num_blocks_are_never_read() -> None:
     """NaN in every slot >= num_blocks (and in the row padding) with every tile height:
     a masked-off source that leaked into the softmax would make the output NaN."""
-    for spt in (1, 2, 4):
+    for i, shape in enumerate(EVERY_SHAPE):
         for nb in (1, 2, 3, 5):
             c = replace(_K3, T=2, H=33, nb_max=8, num_blocks=nb, write_idx=-1, pad=8,
-                        sources_per_tile=spt, has_delta=False, out_norm="none")
-            run_and_check(c, seed=nb * 10 + spt)
+                        has_delta=False, out_norm="none", **shape)
+            run_and_check(c, seed=nb * 10 + i)
 
 
 def test_tile_heights_agree() -> None:
     """Every launch shape computes the same thing (same checks, same inputs)."""
-    for spt in (1, 2, 4, 8):
-        run_and_check(replace(_K3, T=3, H=70, nb_max=9, num_blocks=7, write_idx=8,
-                              sources_per_tile=spt), seed=21)
+    for shape in EVERY_SHAPE + [{"sources_per_tile": 8}]:
+        run_and_check(replace(_K3, T=3, H=70, nb_max=9, num_blocks=7, write_idx=8, **shape),
+                      seed=21)
 
 
 def test_softmax_is_sharp_and_flat() -> None:
@@ -454,10 +498,10 @@ def test_softmax_is_sharp_and_flat() -> None:
     # Flat: token 2's sources all equal.
     x.blocks[2, :5] = x.prefix[2]
     out = torch.empty_like(x.prefix)
-    for spt in (1, 4):
-        launch(x.prefix, x.blocks, 5, x.norm_w, x.proj_w, 1e-6, out, sources_per_tile=spt)
+    for shape in EVERY_SHAPE:
+        launch(x.prefix, x.blocks, 5, x.norm_w, x.proj_w, 1e-6, out, **replace(c, **shape).shape)
         check_mix_and_norm(c, x.prefix, x.blocks, x.norm_w, x.proj_w, out, None,
-                           bf16_casts_truncate=INTERPRETED, device=DEVICE, msg=f"spt={spt}")
+                           bf16_casts_truncate=INTERPRETED, device=DEVICE, msg=f"{shape}")
 
 
 def test_launcher_needs_prefix_out_with_delta() -> None:
@@ -511,8 +555,9 @@ def exact_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_norm", ["none", "cast", "fp32w"])
-@pytest.mark.parametrize("spt", [1, 4])
-def test_roundings_are_the_spec_bit_for_bit(dtype: torch.dtype, out_norm: str, spt: int) -> None:
+@pytest.mark.parametrize("shape", [{"sources_per_tile": 1}, {"sources_per_tile": 4}, {"chunk": 32}],
+                         ids=str)
+def test_roundings_are_the_spec_bit_for_bit(dtype: torch.dtype, out_norm: str, shape: dict) -> None:
     """The ulp tolerances cannot see a missing or extra rounding (a half-ulp shift stays
     within them), so compare bits with the spec's roundings emulated: the new prefix is
     rounded before it is a source, the mix is rounded before the output norm, and the
@@ -521,14 +566,14 @@ def test_roundings_are_the_spec_bit_for_bit(dtype: torch.dtype, out_norm: str, s
     interpreter (98% required: the GPU's approximate exp/rsqrt add noise). A missing
     rounding of the prefix moves ~10% of the mix, of the mix ~25-50% of out."""
     c = replace(_K3, T=8, H=128, dtype=dtype, out_norm=out_norm, w_fp32=out_norm == "cast",
-                write_idx=8, sources_per_tile=spt)
+                write_idx=8, **shape)
     x = make_inputs(c, 51)
     out = torch.empty(c.T, c.H, device=DEVICE, dtype=c.out_dtype)
     launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, c.eps, out, delta=x.delta,
            prefix_out=x.prefix, block_write_idx=c.write_idx, out_norm_w=x.out_norm_w,
-           out_eps=c.out_eps, out_weight_in_fp32=out_norm == "fp32w", sources_per_tile=spt)
+           out_eps=c.out_eps, out_weight_in_fp32=out_norm == "fp32w", **c.shape)
     mix = torch.empty_like(x.prefix)
-    launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, c.eps, mix, sources_per_tile=spt)
+    launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, c.eps, mix, **c.shape)
     exp_mix, exp_out = emulate(c, x.prefix, x.blocks, x.norm_w, x.proj_w, x.out_norm_w,
                                bf16_casts_truncate=INTERPRETED)
     assert exact_fraction(mix, exp_mix) >= 0.98, f"mix: {exact_fraction(mix, exp_mix)} bit-exact"
@@ -561,28 +606,100 @@ def test_the_rounded_prefix_is_the_last_source(dtype: torch.dtype) -> None:
 
 def test_pick_launch_shape() -> None:
     H = 7168
-    # The shapes the H200 sweep found fastest (docs/benchmarks.md).
-    decode = pick_launch_shape(8, H, 8)
+    # The split kernel up to SPLIT_MAX_TOKENS, with the chunk and warps the H200 sweep
+    # found fastest (docs/benchmarks.md); chunk no wider than the row.
+    split = pick_launch_shape(1, H, 8)
+    assert (split.kind, split.chunk, split.num_warps) == ("split", SPLIT_CHUNK, SPLIT_NUM_WARPS)
+    assert pick_launch_shape(SPLIT_MAX_TOKENS, H, 8).kind == "split"
+    assert pick_launch_shape(3, 100, 5).chunk == min(SPLIT_CHUNK, 128)
+    assert pick_launch_shape(3, 5, 5).chunk == 8
+    # More sources than the split kernel holds: the row kernel.
+    assert pick_launch_shape(1, H, SPLIT_MAX_SOURCES - 1).kind == "split"
+    assert pick_launch_shape(1, H, SPLIT_MAX_SOURCES).kind == "row"
+    with pytest.raises(ValueError, match="at most"):
+        pick_launch_shape(1, H, SPLIT_MAX_SOURCES, kind="split")
+    # Past SPLIT_MAX_TOKENS the row kernel: its prefill shape, or below PREFILL_TOKENS
+    # (with the threshold moved) its decode shape.
+    prefill = pick_launch_shape(max(SPLIT_MAX_TOKENS + 1, PREFILL_TOKENS), H, 8)
+    assert (prefill.kind, prefill.sources_per_tile, prefill.num_warps) == \
+        ("row", PREFILL_SOURCES_PER_TILE, 4)
+    decode = pick_launch_shape(8, H, 8, kind="row")
     assert (decode.sources_per_tile, decode.num_warps, decode.block_h) == \
         (DECODE_SOURCES_PER_TILE, 16, 8192) == (4, 16, 8192)
-    prefill = pick_launch_shape(PREFILL_TOKENS, H, 8)
-    assert (prefill.sources_per_tile, prefill.num_warps) == (PREFILL_SOURCES_PER_TILE, 4) == (2, 4)
-    assert pick_launch_shape(PREFILL_TOKENS - 1, H, 8).sources_per_tile == 4
+    assert pick_launch_shape(PREFILL_TOKENS - 1, H, 8, kind="row").sources_per_tile == 4
+    assert pick_launch_shape(64, H, 8, split_max_tokens=63).kind == "row"
     # No wider than the sources: one block + the prefix is two, none is one.
-    assert pick_launch_shape(1, H, 1).sources_per_tile == 2
-    assert pick_launch_shape(1, H, 0).sources_per_tile == 1
-    assert pick_launch_shape(1, H, 0).num_warps == 4
-    # The threshold is an argument (the benchmark sweeps it) ...
-    assert pick_launch_shape(64, H, 8, prefill_tokens=64).sources_per_tile == 2
-    assert pick_launch_shape(4096, H, 8, prefill_tokens=10**9).sources_per_tile == 4
-    # ... and so are the shape itself and the warps.
+    assert pick_launch_shape(1, H, 1, kind="row").sources_per_tile == 2
+    assert pick_launch_shape(1, H, 0, kind="row").sources_per_tile == 1
+    assert pick_launch_shape(1, H, 0, kind="row").num_warps == 4
+    # The thresholds are arguments (the benchmark sweeps them) ...
+    assert pick_launch_shape(64, H, 8, kind="row", prefill_tokens=64).sources_per_tile == 2
+    assert pick_launch_shape(4096, H, 8, kind="row", prefill_tokens=10**9).sources_per_tile == 4
+    # ... and so are the shapes themselves and the warps; a row tile height means the row kernel.
     s = pick_launch_shape(4096, H, 8, sources_per_tile=4, num_warps=4)
-    assert (s.sources_per_tile, s.num_warps) == (4, 4)
+    assert (s.kind, s.sources_per_tile, s.num_warps) == ("row", 4, 4)
+    s = pick_launch_shape(1, H, 8, chunk=512, num_warps=8)
+    assert (s.kind, s.chunk, s.num_warps) == ("split", 512, 8)
     assert pick_launch_shape(3, 100, 5).block_h == 128
     with pytest.raises(ValueError, match="sources_per_tile"):
         pick_launch_shape(8, H, 8, sources_per_tile=3)
     with pytest.raises(ValueError, match="num_warps"):
-        pick_launch_shape(8, H, 8, num_warps=6)
+        pick_launch_shape(8, H, 8, kind="row", num_warps=6)
+    with pytest.raises(ValueError, match="chunk"):
+        pick_launch_shape(8, H, 8, chunk=48, kind="split")
+    with pytest.raises(ValueError, match="kind"):
+        pick_launch_shape(8, H, 8, kind="tiled")
+
+
+def test_split_kernel_many_sources() -> None:
+    """16 to 31 sources: the split kernel's source tile grows to 32 rows."""
+    for nb in (15, 20):
+        run_and_check(replace(_K3, T=2, H=40, nb_max=nb + 1, num_blocks=nb, write_idx=nb,
+                              chunk=16), seed=nb)
+
+
+_PTX_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3fusion.kernels.attn_res import _attn_res_split_kernel as k
+names = [p.name for p in k.params]
+const = dict(CHUNK=512, N_CHUNKS=14, N_CHUNKS_PAD=16, S_PAD=16, HAS_DELTA=True,
+             WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False, PHASE=0)
+ptrs = dict(partials_ptr="*fp32", sync_ptr="*i64")
+sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
+       else "fp32" if n.endswith("eps") else "i32" for n in names}
+src = ASTSource(fn=k, signature=sig,
+                constexprs={(names.index(n),): v for n, v in const.items()})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+print(ptx)
+"""
+
+
+def test_split_kernel_barrier_compiles_for_hopper() -> None:
+    """The one-launch split kernel (its barriers never run in the interpreter) compiles
+    for sm_90 on any machine, and its PTX holds the barrier: two arrivals as GPU-scope
+    release atomics and two acquire polls of the counter, after CTA barriers."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True,
+                              text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("compiling the split kernel for sm_90 took over 300 s")
+    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr:
+        pytest.skip("this triton has no ptxas")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    arrivals = [x for x in lines if x.split()[-1:] and "atom.global" in x and ".release" in x
+                and ".gpu" in x and ".add" in x]
+    polls = [x for x in lines if ("ld.global" in x or "atom.global" in x) and ".acquire" in x]
+    assert len(arrivals) == 2, arrivals
+    assert len(polls) == 2, polls
+    assert any(x.startswith("bar.sync") for x in lines)
 
 
 # --------------------------------------------------------------- the tolerance helpers
@@ -638,23 +755,56 @@ class TestAttnResCuda:
     FLAGS = [(False, False, "none"), (True, True, "cast"), (True, False, "fp32w"),
              (False, True, "cast"), (True, True, "none")]
 
-    # Both launch shapes at every T (the prefill one, the decode one), 4 sources per tile
-    # (128 registers at 16 warps) once.
-    SHAPES = [(T, spt) for T in (1, 7, 128, 4099) for spt in (1, DECODE_SOURCES_PER_TILE)]
-    SHAPES += [(7, 4)] if DECODE_SOURCES_PER_TILE != 4 else [(7, 2)]
+    # Every kernel at every T: the row kernel's two tile heights, the split kernel at its
+    # default chunk and at 512 (14 programs per token).
+    SHAPES = [(T, shape) for T in (1, 7, 128, 4099)
+              for shape in ({"sources_per_tile": 1}, {"sources_per_tile": 4},
+                            {"chunk": SPLIT_CHUNK}, {"chunk": 512})]
 
-    @pytest.mark.parametrize("T, spt", SHAPES)
+    @pytest.mark.parametrize("T, shape", SHAPES, ids=str)
     @pytest.mark.parametrize("flags", FLAGS,
                              ids=lambda f: f"delta{int(f[0])}-write{int(f[1])}-{f[2]}")
-    def test_launcher(self, T: int, spt: int, flags: tuple) -> None:
+    def test_launcher(self, T: int, shape: dict, flags: tuple) -> None:
         has_delta, write, out_norm = flags
         # Every block count 0..8 (the 9-source step last); at 4099 tokens a sample.
         for nb in (range(9) if T <= 128 else (0, 1, 2, 5, 8)):
             c = Case(T=T, H=7168, nb_max=9, num_blocks=nb, write_idx=nb if write and nb < 9 else -1,
                      dtype=torch.bfloat16, has_delta=has_delta, out_norm=out_norm, w_fp32=False,
                      bank="stacked", pad=0, inplace=True, eps=1e-6, out_eps=1e-6, log2_scale=0,
-                     sources_per_tile=spt)
+                     **shape)
             run_and_check(c, seed=T * 10 + nb, bf16_casts_truncate=False, device="cuda")
+
+    @pytest.mark.parametrize("T", [1, 7, 128, 1000])
+    @pytest.mark.parametrize("flags", FLAGS,
+                             ids=lambda f: f"delta{int(f[0])}-write{int(f[1])}-{f[2]}")
+    def test_split_barrier_is_exact(self, T: int, flags: tuple) -> None:
+        """The split kernel in one launch (programs meet at the barriers) gives the same
+        bits as its phases run as separate launches (the interpreter's form): a program
+        that read a partial sum before its partner stored it would differ. Repeated, so
+        the barrier counters are reused across launches."""
+        has_delta, write, out_norm = flags
+        for nb in (0, 1, 8):
+            c = Case(T=T, H=7168, nb_max=9, num_blocks=nb, write_idx=8 if write else -1,
+                     dtype=torch.bfloat16, has_delta=has_delta, out_norm=out_norm, w_fp32=False,
+                     bank="stacked", pad=0, inplace=False, eps=1e-6, out_eps=1e-6, log2_scale=0,
+                     chunk=512)
+            x = make_inputs(c, seed=nb)
+            results = []
+            for phases in (True, False, False, False):
+                bank = x.bank_parent.clone()
+                blocks = bank_view(c, bank)
+                out = torch.empty(T, c.H, device="cuda", dtype=c.out_dtype)
+                new = torch.empty_like(x.prefix)
+                launch(x.prefix, blocks, nb, x.norm_w, x.proj_w, c.eps, out, delta=x.delta,
+                       prefix_out=new if has_delta else None, block_write_idx=c.write_idx,
+                       out_norm_w=x.out_norm_w, out_eps=c.out_eps, split_phases=phases,
+                       **c.shape)
+                results.append((bits(out), bits(bank), bits(new) if has_delta else None))
+            for r in results[1:]:
+                assert torch.equal(r[0], results[0][0]), f"{c}: out differs"
+                assert torch.equal(r[1], results[0][1]), f"{c}: bank differs"
+                if has_delta:
+                    assert torch.equal(r[2], results[0][2]), f"{c}: prefix differs"
 
     @pytest.mark.parametrize("T", [7, 128])
     def test_heuristic_shape_and_fp16(self, T: int) -> None:
@@ -672,6 +822,35 @@ class TestAttnResCuda:
                      has_delta=True, out_norm="cast", w_fp32=True, bank="slice", pad=64,
                      inplace=False, eps=1e-6, out_eps=1e-6, log2_scale=0)
             run_and_check(c, seed=nb, bf16_casts_truncate=False, device="cuda")
+
+    def test_split_kernel_in_a_cuda_graph(self) -> None:
+        """Captured once, replayed several times: the barrier counters (allocated during
+        the capture, reset by each replay) and the partial sums stay right."""
+        c = replace(_K3, T=3, H=7168, num_blocks=8, nb_max=9, write_idx=-1, chunk=512,
+                    inplace=False)
+        x = make_inputs(c, 5, "cuda")
+        out = torch.empty(c.T, c.H, device="cuda", dtype=c.out_dtype)
+        new = torch.empty_like(x.prefix)
+
+        def step():
+            for _ in range(3):
+                launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, c.eps, out, delta=x.delta,
+                       prefix_out=new, out_norm_w=x.out_norm_w, out_eps=c.out_eps, **c.shape)
+
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                step()
+        expected_out = torch.empty_like(out)
+        launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, c.eps, expected_out, delta=x.delta,
+               prefix_out=new, out_norm_w=x.out_norm_w, out_eps=c.out_eps, split_phases=True,
+               **c.shape)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(bits(out), bits(expected_out))
 
     def test_int64_offsets(self) -> None:
         """A bank whose last slot starts past 2**31 elements (4 GiB of bf16): int32
