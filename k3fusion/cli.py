@@ -24,8 +24,8 @@ _REL_TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m k3fusion", description=__doc__.splitlines()[0],
-                                epilog="python -m k3fusion bench [--out DIR] runs the "
-                                       "per-op benchmarks (CUDA).")
+                                epilog="python -m k3fusion bench [--out DIR] [--only NAMES] runs "
+                                       "the per-op and decoder-stack benchmarks (CUDA).")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
@@ -127,20 +127,71 @@ def _print_table(report: dict[str, Any]) -> None:
     print("OK" if report["ok"] else "FAILED: a site was not fused or an error is out of bounds")
 
 
-def bench(argv: list[str]) -> int:
-    """``python -m k3fusion bench [--out DIR]``: every per-op benchmark (needs CUDA)."""
+#: ``python -m k3fusion bench`` runs these, in this order: {name: module under k3fusion.bench}.
+BENCHES = {"qkv_rmsnorm": "qkv_rmsnorm", "attn_res": "attn_res", "moe_tail": "moe_tail",
+           "decoder": "decoder"}
+
+
+def _bench_names(text: str) -> list[str]:
+    """``--only`` value: comma-separated names of :data:`BENCHES` (order kept, no repeats)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown benchmark {', '.join(unknown) or '(none given)'}; "
+            f"choose from {','.join(BENCHES)}")
+    return list(dict.fromkeys(names))
+
+
+def _parse_bench(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m k3fusion bench",
-                                description="run the per-op benchmarks (CUDA)")
+                                description="run the per-op benchmarks and the decoder-stack "
+                                            "benchmark (CUDA)")
     p.add_argument("--out", default="bench-out", help="folder for JSON, markdown and plots")
-    args = p.parse_args(argv)
+    p.add_argument("--only", type=_bench_names, default=list(BENCHES), metavar="NAMES",
+                   help=f"comma-separated subset of {','.join(BENCHES)} (default: all)")
+    return p.parse_args(argv)
+
+
+def bench(argv: list[str]) -> int:
+    """``python -m k3fusion bench [--out DIR] [--only NAMES]``: the benchmarks (needs CUDA).
+
+    Runs each selected benchmark's ``main(["--out", DIR])``; one that fails (non-zero or
+    an exception) is reported and the rest still run; the exit status is non-zero if any
+    failed. A benchmark module that is not there (yet) is skipped with a note.
+    """
+    import importlib
+    import traceback
+
+    args = _parse_bench(argv)
     if not torch.cuda.is_available():
         print("python -m k3fusion bench needs a CUDA GPU (none is visible here); "
               "see docs/benchmarks.md for results measured on an H200", file=sys.stderr)
         return 2
-    from k3fusion.bench import attn_res, qkv_rmsnorm
-
-    status = qkv_rmsnorm.main(["--out", args.out])
-    return status or attn_res.main(["--out", args.out])
+    outcome: dict[str, str] = {}
+    for name in args.only:
+        module_name = f"k3fusion.bench.{BENCHES[name]}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            outcome[name] = f"skipped ({module_name} is not there)"
+            print(f"bench {name}: skipped, {module_name} is not there", file=sys.stderr)
+            continue
+        print(f"== bench {name} ==", flush=True)
+        try:
+            status = module.main(["--out", args.out])
+        except SystemExit as e:
+            status = e.code if e.code is None or isinstance(e.code, int) else 1
+            if status == 1 and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+        except Exception:  # noqa: BLE001 - report, run the rest, fail at the end
+            traceback.print_exc()
+            status = 1
+        outcome[name] = "ok" if not status else f"FAILED (exit {status})"
+    print("bench summary: " + ", ".join(f"{k} {v}" for k, v in outcome.items()), flush=True)
+    return 1 if any(v.startswith("FAILED") for v in outcome.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,3 +31,53 @@ def test_main_job_rejects_bad_arguments(bad):
 def test_bench_without_cuda_says_so(capsys):
     assert main(["bench"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["bench", "--only", "decoder", "--out", "x"]) == 2  # parsed, then refused
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_only_parses_a_comma_separated_subset():
+    from k3fusion.cli import BENCHES, _parse_bench
+
+    assert _parse_bench([]).only == list(BENCHES)
+    args = _parse_bench(["--only", "decoder, qkv_rmsnorm,decoder", "--out", "d"])
+    assert args.only == ["decoder", "qkv_rmsnorm"] and args.out == "d"
+
+
+@pytest.mark.parametrize("only", ["decoder,nope", "", ","])
+def test_bench_only_rejects_unknown_names(only, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--only", only])
+    assert e.value.code == 2
+    assert "choose from qkv_rmsnorm,attn_res,moe_tail,decoder" in capsys.readouterr().err
+
+
+def test_bench_runs_each_selected_benchmark_and_reports_failures(monkeypatch, capsys):
+    # The loop itself, with stand-in benchmark modules (the real ones need a GPU).
+    import sys
+    import types
+
+    calls = []
+
+    def fake(name, outcome):
+        def main(argv):
+            calls.append((name, argv))
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        return types.SimpleNamespace(main=main)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "k3fusion.bench.qkv_rmsnorm", fake("qkv_rmsnorm", 0))
+    monkeypatch.setitem(sys.modules, "k3fusion.bench.attn_res",
+                        fake("attn_res", SystemExit("attn_res broke")))
+    monkeypatch.setitem(sys.modules, "k3fusion.bench.moe_tail", None)  # not there
+    monkeypatch.setitem(sys.modules, "k3fusion.bench.decoder", fake("decoder", None))
+    assert main(["bench", "--out", "o"]) == 1
+    assert calls == [(n, ["--out", "o"]) for n in ("qkv_rmsnorm", "attn_res", "decoder")]
+    captured = capsys.readouterr()
+    assert "attn_res broke" in captured.err and "moe_tail: skipped" in captured.err
+    assert ("bench summary: qkv_rmsnorm ok, attn_res FAILED (exit 1), moe_tail skipped "
+            "(k3fusion.bench.moe_tail is not there), decoder ok") in captured.out
+    calls.clear()
+    assert main(["bench", "--only", "decoder,qkv_rmsnorm"]) == 0
+    assert [n for n, _ in calls] == ["decoder", "qkv_rmsnorm"]

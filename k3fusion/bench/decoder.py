@@ -1,0 +1,622 @@
+"""End-to-end benchmark: a stack of Kimi-K3-width decoder layers (needs CUDA).
+
+``python -m k3fusion.bench.decoder [--out DIR] [--layers N] [--tokens T ...] [--prefill T ...]
+[--seeds N] [--static] [--quick]``
+
+The stack is :class:`k3fusion.models.KimiK3Model` (embedding, decoder layers, final AttnRes
+and norm; the lm_head is not run) built from the K3 preset, bf16: hidden 7168; MLA with
+q_lora 1536, kv_lora 512 + rope 64 (a 576-wide ``kv_a_proj_with_mqa`` row), 64 heads;
+Block AttnRes with a block size of ``layers // 2`` (the embedding is block 0 and a block
+boundary falls inside the stack); the normalized latent MoE (latent 3584, experts of
+width 2048, 1 shared expert). Cut to one GPU: 4 layers, 8 routed experts with top_k = 8
+(the model runs every expert densely, so a token's expert work is K3's top-8; and routing
+then makes no discrete choice, so compiled and eager outputs can be compared within
+rounding -- with top-k of fewer, a near-tie flips an expert), a 2048-token vocabulary.
+About 3 GB of weights.
+
+Steps (the reference model has no KV cache):
+
+* decode step, T in 1, 8, 32, 64: T sequences of one token (input ids ``[T, 1]``); its
+  attention sees only the token itself, so no cache read is in the numbers;
+* prefill chunk, T in 512, 4096: one sequence of T tokens (``[1, T]``), causal attention.
+
+Variants, each timed under CUDA-graph replay (median; 2 steps per graph for decode, 1 for
+prefill; the weights, read once per step, dwarf L2): eager, default ``torch.compile``
+("inductor") and ``torch.compile(backend="k3fusion")``.
+
+Compiles: by default both compiled variants are plain ``torch.compile(stack[, backend])``,
+i.e. ``dynamic=None``: the first shape compiles specialized, the next shape of a new size
+recompiles once with the token dim dynamic, later sizes reuse that graph. Over the default
+sweep that is 3 compiles per variant (decode T=1 static, decode T>1 dynamic, prefill
+dynamic). ``--static`` compiles with ``dynamic=False`` instead, which recompiles for every
+shape (a compile per T and variant: twice the compile time). Each shape's first call is
+timed (wall, synchronized) with the FX graph and AOT autograd caches off and a fresh
+Inductor / Triton cache directory, so a compile's seconds include every kernel it builds;
+the table gives compile seconds only where that call compiled, ``reused`` otherwise. The
+k3fusion variant's ``k3fusion.match_counts()`` are recorded for each of its compiles.
+
+Equivalence, before each shape is timed: for each of ``--seeds`` seeds the weights are
+redrawn (same init, that seed) and a seeded input drawn; eager bf16, both compiled
+variants and an fp64 copy of the same (bf16) weights run. The rule is the suite's
+model-level bf16 rule (``tests/test_compile_model.py``): the k3fusion output's max and
+mean error against fp64 must stay within twice eager bf16's own (compiled code rounds
+differently, not worse), the max plus one bf16 ulp of max|out| (rounding the output alone
+costs half an ulp on either side: at a handful of elements eager's max error can be about
+that small); eager's own max error must stay under 1/8 of max|out| (else the yardstick is
+broken; measured 2.6-4.7% at 4 K3-width layers). Out of bound: the sweep stops, the
+results so far are written, and the run exits 1 with the numbers.
+
+Writes ``decoder.json``, ``decoder.md`` and ``decoder.png`` to ``--out``. ``--quick``: 2
+layers, decode T 1 and 32, prefill 512, 2 seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import io
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+__all__ = ["stack_config", "block_size_for", "build_model", "stack_inputs", "weight_bytes",
+           "expected_sites", "check_equivalence", "equivalence_failures", "run", "markdown",
+           "plot", "main"]
+
+DECODE_TOKENS = (1, 8, 32, 64)
+PREFILL_TOKENS = (512, 4096)
+LAYERS = 4
+SEEDS = 3
+NUM_EXPERTS = 8          # top_k = NUM_EXPERTS: see the module docstring
+VOCAB = 2048
+QUICK = dict(layers=2, tokens=(1, 32), prefill=(512,), seeds=2)
+
+#: Compiled variants: {column name: torch.compile backend}.
+BACKENDS = {"inductor": "inductor", "k3fusion": "k3fusion"}
+
+#: The rule: compiled error (vs fp64) <= ERROR_RATIO x eager bf16's, max (+ 1 ulp of
+#: max|out|) and mean.
+ERROR_RATIO = 2.0
+#: Eager's own max error above this fraction of max|out| means the yardstick is broken.
+YARDSTICK = 2.0**-3
+
+
+# --------------------------------------------------------------------------
+# The stack
+# --------------------------------------------------------------------------
+
+
+def block_size_for(layers: int) -> int:
+    """AttnRes block size ``layers // 2`` (at least 1): layer 0 and layer ``block_size``
+    write blocks, so a boundary falls inside any stack of 2 or more layers."""
+    return max(1, layers // 2)
+
+
+def stack_config(layers: int = LAYERS, width: str = "k3", **overrides):
+    """The benchmarked :class:`KimiK3Config`: ``width="k3"`` (the K3 preset) or ``"tiny"``
+    (the CPU preset, same switches), AttnRes and latent MoE on; ``overrides`` win."""
+    from k3fusion.models import KimiK3Config
+
+    fields = dict(num_layers=layers, attn_res=True, attn_res_block_size=block_size_for(layers),
+                  latent_moe=True, dtype=torch.bfloat16)
+    if width == "k3":
+        fields.update(vocab_size=VOCAB, num_experts=NUM_EXPERTS, top_k=NUM_EXPERTS)
+        preset = KimiK3Config.k3
+    elif width == "tiny":
+        fields.update(num_experts=4, top_k=4)
+        preset = KimiK3Config.tiny
+    else:
+        raise ValueError(f"width must be 'k3' or 'tiny', got {width!r}")
+    fields.update(overrides)
+    return preset(**fields)
+
+
+def build_model(config, seed: int, device: torch.device | str):
+    """``KimiK3ForCausalLM(config)`` initialized on ``device`` from ``seed`` (the global RNG
+    of that device, forked: the caller's RNG state is left as it was), in eval mode."""
+    from k3fusion.models import KimiK3ForCausalLM
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        devices = [torch.cuda.current_device() if device.index is None else device.index]
+    else:
+        devices = []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(seed)
+        return KimiK3ForCausalLM(config).eval()
+
+
+def weight_bytes(config) -> int:
+    """Bytes of the stack's weights (embedding, layers, final AttnRes and norm), counted
+    on the meta device (nothing is allocated)."""
+    from k3fusion.models import KimiK3ForCausalLM
+
+    with torch.device("meta"):
+        model = KimiK3ForCausalLM(config)
+    return sum(t.numel() * t.element_size()
+               for t in [*model.model.parameters(), *model.model.buffers()])
+
+
+def expected_sites(model) -> dict[str, int]:
+    """Sites of each fusion in the stack: a q/kv norm pair per MLA layer, 2 AttnRes sites
+    per layer + the final one, a MoE tail per latent-MoE layer."""
+    from k3fusion.models.kimi_k3 import (count_attn_res_sites, count_latent_moe_layers,
+                                         count_mla_layers)
+
+    return {"qkv_rmsnorm": count_mla_layers(model), "attn_res": count_attn_res_sites(model),
+            "moe_tail": count_latent_moe_layers(model)}
+
+
+def stack_inputs(step: str, t: int, vocab: int, seed: int, device) -> torch.Tensor:
+    """Token ids: a decode step is ``[T, 1]`` (T sequences of one token), a prefill chunk
+    ``[1, T]`` (one sequence of T tokens)."""
+    shape = {"decode": (t, 1), "prefill": (1, t)}[step]
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return torch.randint(0, vocab, shape, generator=gen).to(device)
+
+
+# --------------------------------------------------------------------------
+# Equivalence
+# --------------------------------------------------------------------------
+
+
+def _ulp(value: float, dtype: torch.dtype) -> float:
+    """The spacing of ``dtype`` at ``value`` (> 0)."""
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(value)) if value > 0 else 0.0
+
+
+def _errors(out: torch.Tensor, oracle: torch.Tensor) -> tuple[float, float]:
+    d = (out.double() - oracle).abs()
+    return float(d.max()), float(d.mean())
+
+
+def check_equivalence(model, variants: dict[str, Callable], step: str, t: int,
+                      seeds: Iterable[int]) -> list[dict]:
+    """One record per seed: ``model``'s weights are redrawn from the seed (in place, so
+    compiled variants keep their graphs), a seeded input is drawn, and eager
+    ``model.model``, every variant (a callable of the ids) and an fp64 copy of the same
+    weights run. Errors are against the fp64 output; ``ok`` applies the rule of the module
+    docstring to the ``k3fusion`` variant (every variant when there is none)."""
+    config = model.config
+    device = next(model.parameters()).device
+    records = []
+    for seed in seeds:
+        fresh = build_model(config, seed, device)
+        model.load_state_dict(fresh.state_dict())
+        ids = stack_inputs(step, t, config.vocab_size, seed, device)
+        with torch.no_grad():
+            eager = model.model(ids)
+            outs = {name: fn(ids) for name, fn in variants.items()}
+            oracle = fresh.model.double()(ids)
+        del fresh
+        scale = float(oracle.abs().max())
+        e_max, e_mean = _errors(eager, oracle)
+        max_bound = ERROR_RATIO * e_max + _ulp(scale, eager.dtype)
+        rec = {"step": step, "T": t, "seed": seed, "scale": scale,
+               "eager_max_err": e_max, "eager_mean_err": e_mean, "max_err_bound": max_bound,
+               "mean_err_bound": ERROR_RATIO * e_mean,
+               "yardstick_ok": e_max <= YARDSTICK * scale}
+        eager_scale = float(eager.float().abs().max()) or 1.0
+        checked = [n for n in variants if n == "k3fusion"] or list(variants)
+        ok = rec["yardstick_ok"]
+        for name, out in outs.items():
+            m, a = _errors(out, oracle)
+            within = m <= max_bound and a <= ERROR_RATIO * e_mean
+            rec.update({f"{name}_max_err": m, f"{name}_mean_err": a,
+                        f"{name}_max_ratio": m / e_max if e_max else math.inf,
+                        f"{name}_mean_ratio": a / e_mean if e_mean else math.inf,
+                        f"{name}_rel_diff_vs_eager":
+                            float((out.float() - eager.float()).abs().max()) / eager_scale,
+                        f"{name}_within": within})
+            if name in checked:
+                ok = ok and within
+        rec["ok"] = ok
+        records.append(rec)
+    return records
+
+
+def equivalence_failures(records: Sequence[dict]) -> list[str]:
+    """A line per failed record (empty: all within bound)."""
+    lines = []
+    for r in records:
+        if r["ok"]:
+            continue
+        if not r["yardstick_ok"]:
+            lines.append(f"{r['step']} T={r['T']} seed {r['seed']}: eager's own max error "
+                         f"{r['eager_max_err']:.3g} exceeds {YARDSTICK:g} x max|out| "
+                         f"({r['scale']:.3g}): the fp64 yardstick is broken")
+        for key in r:
+            if key.endswith("_within") and not r[key]:
+                name = key[: -len("_within")]
+                lines.append(
+                    f"{r['step']} T={r['T']} seed {r['seed']}: {name} error vs fp64 max "
+                    f"{r[f'{name}_max_err']:.3g} (bound {r['max_err_bound']:.3g}; eager "
+                    f"{r['eager_max_err']:.3g}, {r[f'{name}_max_ratio']:.2f}x), mean "
+                    f"{r[f'{name}_mean_err']:.3g} (bound {r['mean_err_bound']:.3g}; eager "
+                    f"{r['eager_mean_err']:.3g}, {r[f'{name}_mean_ratio']:.2f}x)")
+    return lines
+
+
+# --------------------------------------------------------------------------
+# Compiles, progress
+# --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _cold(cache_root: str):
+    """FX graph and AOT autograd caches off (a hit would skip the k3fusion pass and count
+    no match), and a fresh Inductor / Triton cache directory under ``cache_root`` (kept
+    until the run ends: compiled code may still load from it)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or getattr(utils, "fresh_inductor_cache", None)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+        stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+        if fresh is not None:
+            params = inspect.signature(fresh).parameters
+            kwargs = {k: v for k, v in (("dir", cache_root), ("delete", False)) if k in params}
+            stack.enter_context(fresh(**kwargs))
+        yield
+
+
+def _first_call(fn: Callable, ids: torch.Tensor, cache_root: str) -> tuple[float, bool]:
+    """Wall seconds of ``fn(ids)`` (synchronized), cold caches; and whether it compiled."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    with _cold(cache_root):
+        start = time.perf_counter()
+        fn(ids)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return seconds, counters["stats"]["unique_graphs"] > before
+
+
+class _Progress:
+    """A one-line stderr bar: ``[#####.....] 12/36 1m05s decode T=32: time eager``."""
+
+    def __init__(self, total: int, stream=None, width: int = 28) -> None:
+        self.total, self.done, self.width = total, 0, width
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def show(self, label: str) -> None:
+        filled = round(self.width * self.done / max(self.total, 1))
+        elapsed = int(time.perf_counter() - self.start)
+        line = (f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
+                f"{elapsed // 60}m{elapsed % 60:02d}s {label}")
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def advance(self) -> None:
+        self.done += 1
+
+    def close(self, label: str = "done") -> None:
+        self.show(label)
+        if self.tty:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+# --------------------------------------------------------------------------
+# The sweep
+# --------------------------------------------------------------------------
+
+
+def _environment(device: torch.device) -> dict:
+    if device.type == "cuda":
+        from .common import environment
+
+        return environment()
+    import datetime
+
+    import triton
+
+    return {"date": datetime.date.today().isoformat(), "gpu": f"none ({device.type})",
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": None}
+
+
+def _calls_per_graph(step: str) -> int:
+    """Steps captured per CUDA graph: a step reads all weights (~1 ms or more), so the
+    graph's own launch is noise already at 1; 2 for decode, 1 for prefill."""
+    return 2 if step == "decode" else 1
+
+
+def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
+        prefill: Sequence[int] = PREFILL_TOKENS, seeds: int = SEEDS, static: bool = False,
+        *, config=None, device: str | torch.device = "cuda",
+        backends: dict[str, str] | None = None, timer: Callable | None = None,
+        progress: bool = True) -> dict:
+    """The sweep; returns the result (``result["ok"]`` False, and ``result["failure"]``,
+    when an equivalence check failed: the sweep stops there).
+
+    ``config`` (default :func:`stack_config` of ``layers``), ``device``, ``backends`` and
+    ``timer`` (``(fn, arg_sets, calls_per_graph) -> us``, default CUDA-graph replay) are
+    there so the sweep can be exercised at tiny width on a CPU.
+    """
+    import k3fusion
+
+    device = torch.device(device)
+    config = stack_config(layers) if config is None else config
+    backends = dict(BACKENDS if backends is None else backends)
+    if timer is None:
+        from .timing import cuda_graph_us
+
+        def timer(fn, arg_sets, calls_per_graph):
+            return cuda_graph_us(fn, arg_sets, calls_per_graph=calls_per_graph)
+
+    shapes = [("decode", t) for t in tokens] + [("prefill", t) for t in prefill]
+    seed_list = list(range(seeds))
+    t0 = time.perf_counter()
+    model = build_model(config, 0, device)
+    stack = model.model
+    sites = expected_sites(model)
+    result = {
+        "bench": "decoder", **_environment(device),
+        "config": {"layers": config.num_layers, "hidden": config.hidden_size,
+                   "heads": config.num_heads, "q_lora_rank": config.q_lora_rank,
+                   "kv_lora_rank": config.kv_lora_rank, "rope_dim": config.qk_rope_head_dim,
+                   "attn_res_block_size": config.attn_res_block_size,
+                   "attn_res_bank": config.attn_res_bank,
+                   "latent_size": config.latent_size, "num_experts": config.num_experts,
+                   "top_k": config.top_k, "moe_intermediate_size": config.moe_intermediate_size,
+                   "num_shared_experts": config.num_shared_experts,
+                   "vocab_size": config.vocab_size, "dtype": str(config.dtype)},
+        "weights_gb": weight_bytes(config) / 1e9,
+        "sites": sites,
+        "compile_shapes": "static" if static else "auto",
+        "compile_note": (
+            "dynamic=False: every shape recompiles; compile seconds are per shape"
+            if static else
+            "dynamic=None (torch.compile's default): specialized at the first shape, one "
+            "recompile with a dynamic token dim per new shape family; compile seconds where a "
+            "shape's first call compiled"),
+        "bound": (f"k3fusion error vs fp64 <= {ERROR_RATIO:g}x eager bf16's, max (+ 1 ulp "
+                  f"of max|out|) and mean; eager's max error <= {YARDSTICK:g} x max|out|"),
+        "seeds": seed_list, "rows": [], "equivalence": [], "ok": True,
+    }
+    bar = _Progress(len(shapes) * (2 * len(backends) + 2),
+                    stream=None if progress else io.StringIO())
+    compiled: dict[str, Callable] = {}
+
+    def compile_all():
+        torch._dynamo.reset()
+        compiled.clear()
+        compiled.update({name: torch.compile(stack, backend=backend,
+                                             dynamic=False if static else None)
+                         for name, backend in backends.items()})
+
+    with tempfile.TemporaryDirectory(prefix="k3fusion-decoder-") as cache_root, \
+            torch.no_grad():
+        if not static:
+            compile_all()
+        for step, t in shapes:
+            where = f"{step} T={t}"
+            if static:
+                compile_all()
+            arg_sets = [(stack_inputs(step, t, config.vocab_size, 100 + i, device),)
+                        for i in range(2)]
+            row = {"step": step, "T": t, "input_shape": list(arg_sets[0][0].shape),
+                   "calls_per_graph": _calls_per_graph(step)}
+            for name, fn in compiled.items():
+                bar.show(f"{where}: compile {name}")
+                k3fusion.reset_match_counts()
+                seconds, did_compile = _first_call(fn, arg_sets[0][0], cache_root)
+                row[f"{name}_compiled"] = did_compile
+                row[f"{name}_compile_s"] = seconds if did_compile else None
+                if name == "k3fusion":
+                    row["k3fusion_matches"] = k3fusion.match_counts() if did_compile else None
+                bar.advance()
+            bar.show(f"{where}: equivalence, {len(seed_list)} seeds")
+            records = check_equivalence(model, compiled, step, t, seed_list)
+            result["equivalence"] += records
+            bar.advance()
+            failures = equivalence_failures(records)
+            if failures:
+                result["ok"] = False
+                result["failure"] = failures
+                break
+            for name, fn in {"eager": stack, **compiled}.items():
+                bar.show(f"{where}: time {name}")
+                row[f"{name}_us"] = timer(fn, arg_sets, row["calls_per_graph"])
+                bar.advance()
+            if "inductor_us" in row and "k3fusion_us" in row:
+                row["speedup_vs_inductor"] = row["inductor_us"] / row["k3fusion_us"]
+            if "k3fusion_us" in row:
+                row["speedup_vs_eager"] = row["eager_us"] / row["k3fusion_us"]
+            result["rows"].append(row)
+        torch._dynamo.reset()
+    bar.close("done" if result["ok"] else "FAILED (equivalence)")
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+# --------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------
+
+
+def _fmt(v, spec: str = ".1f", none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def _matches(row: dict, sites: dict) -> str:
+    counts = row.get("k3fusion_matches")
+    if counts is None:
+        return "reused" if row.get("k3fusion_compiled") is False else "-"
+    return ", ".join(f"{k} {counts.get(k, 0)}/{n}" for k, n in sites.items())
+
+
+def markdown(result: dict) -> str:
+    c = result["config"]
+    lines = [
+        f"Kimi-K3-width decoder stack: {c['layers']} layers, hidden {c['hidden']}, MLA "
+        f"{c['heads']} heads (q_lora {c['q_lora_rank']}, kv_lora {c['kv_lora_rank']} + rope "
+        f"{c['rope_dim']}), AttnRes block size {c['attn_res_block_size']}, latent MoE (latent "
+        f"{c['latent_size']}, {c['num_experts']} experts top {c['top_k']} of width "
+        f"{c['moe_intermediate_size']}, {c['num_shared_experts']} shared), {c['dtype']}, "
+        f"{result['weights_gb']:.2f} GB of weights. {result['gpu']}, {result['date']}, "
+        f"torch {result['torch']}, triton {result['triton']}.",
+        "",
+        "Decode: T sequences of one token (no KV cache); prefill: one sequence of T tokens. "
+        "CUDA-graph replay, median us per step. Compile: wall seconds of a shape's first call "
+        f"with cold caches ({result['compile_note']}).",
+        "",
+        "| step | T | eager | default compile | k3fusion | k3fusion vs default "
+        "| compile s (default) | compile s (k3fusion) | k3fusion matches |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        cs = [("reused" if r.get(f"{n}_compiled") is False else _fmt(r.get(f"{n}_compile_s")))
+              for n in ("inductor", "k3fusion")]
+        lines.append(
+            f"| {r['step']} | {r['T']} | {_fmt(r.get('eager_us'))} "
+            f"| {_fmt(r.get('inductor_us'))} | {_fmt(r.get('k3fusion_us'))} "
+            f"| {_fmt(r.get('speedup_vs_inductor'), '.3f')}{'x' * ('speedup_vs_inductor' in r)} "
+            f"| {cs[0]} | {cs[1]} | {_matches(r, result['sites'])} |")
+    lines += [
+        "",
+        f"Equivalence before timing, {len(result['seeds'])} seeds (weights and input drawn "
+        f"per seed): error against an fp64 copy of the same weights; bound: "
+        f"{result['bound']}. Each column: the worst seed.",
+        "",
+        "| step | T | eager max err | k3fusion max err (x eager) | k3fusion mean err "
+        "(x eager) | default max err (x eager) | k3fusion max diff vs eager (of max abs eager) "
+        "| ok |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    by_shape: dict[tuple, list] = {}
+    for rec in result["equivalence"]:
+        by_shape.setdefault((rec["step"], rec["T"]), []).append(rec)
+    for (step, t), recs in by_shape.items():
+        def worst(key):
+            vals = [r[key] for r in recs if key in r]
+            return max(vals) if vals else None
+
+        lines.append(
+            f"| {step} | {t} | {_fmt(worst('eager_max_err'), '.3g')} "
+            f"| {_fmt(worst('k3fusion_max_err'), '.3g')} ({_fmt(worst('k3fusion_max_ratio'), '.2f')}) "
+            f"| {_fmt(worst('k3fusion_mean_err'), '.3g')} ({_fmt(worst('k3fusion_mean_ratio'), '.2f')}) "
+            f"| {_fmt(worst('inductor_max_err'), '.3g')} ({_fmt(worst('inductor_max_ratio'), '.2f')}) "
+            f"| {_fmt(worst('k3fusion_rel_diff_vs_eager'), '.2e')} "
+            f"| {'yes' if all(r['ok'] for r in recs) else '**NO**'} |")
+    if not result["ok"]:
+        lines += ["", "**FAILED: out of bound; the sweep stopped here.**", ""]
+        lines += [f"- {line}" for line in result.get("failure", [])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Three panels: decode and prefill us per step (log-log), compile seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    series = [("eager_us", "eager"), ("inductor_us", "default compile"),
+              ("k3fusion_us", "k3fusion")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, step in zip(axes[:2], ("decode", "prefill")):
+        rows = [r for r in result["rows"] if r["step"] == step]
+        for key, label in series:
+            pts = [(r["T"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        for r in rows:  # k3fusion vs default compile, next to the k3fusion point
+            if r.get("speedup_vs_inductor") is not None:
+                ax.annotate(f"{r['speedup_vs_inductor']:.2f}x", (r["T"], r["k3fusion_us"]),
+                            textcoords="offset points", xytext=(4, -12), fontsize=8)
+        ax.set(xscale="log", yscale="log", xlabel="tokens T",
+               ylabel="us per step (CUDA-graph replay, median)",
+               title=f"{step} ({'[T, 1]' if step == 'decode' else '[1, T]'}); "
+                     "label: k3fusion vs default")
+        ax.grid(True, which="both", alpha=0.3)
+        if rows:
+            ts = sorted({r["T"] for r in rows})
+            ax.xaxis.set_minor_locator(ticker.NullLocator())
+            ax.set_xticks(ts, [str(t) for t in ts])
+            ax.legend()
+    ax = axes[2]
+    labels = [f"{r['step'][0]}{r['T']}" for r in result["rows"]]
+    x = range(len(labels))
+    for i, (name, label) in enumerate((("inductor", "default compile"),
+                                       ("k3fusion", "k3fusion"))):
+        ax.bar([j + (i - 0.5) * 0.4 for j in x],
+               [r.get(f"{name}_compile_s") or 0.0 for r in result["rows"]], width=0.4,
+               label=label)
+    ax.set_xticks(list(x), labels)
+    ax.set(xlabel="shape (d: decode, p: prefill; 0: reused graph)", ylabel="compile s (cold)",
+           title="compile")
+    ax.legend()
+    c = result["config"]
+    fig.suptitle(f"K3-width decoder stack, {c['layers']} layers, bf16, {result['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m k3fusion.bench.decoder",
+                                description="time a K3-width decoder stack: eager, default "
+                                            "torch.compile, backend='k3fusion' (CUDA)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    p.add_argument("--layers", type=int, default=None, help=f"decoder layers ({LAYERS})")
+    p.add_argument("--tokens", type=int, nargs="*", default=None,
+                   help=f"decode step sizes T (input [T, 1]; {' '.join(map(str, DECODE_TOKENS))})")
+    p.add_argument("--prefill", type=int, nargs="*", default=None,
+                   help=f"prefill chunk sizes T (input [1, T]; "
+                        f"{' '.join(map(str, PREFILL_TOKENS))})")
+    p.add_argument("--seeds", type=int, default=None,
+                   help=f"seeds of the equivalence check at each shape ({SEEDS})")
+    p.add_argument("--static", action="store_true",
+                   help="compile with dynamic=False: a compile per shape (slower)")
+    p.add_argument("--quick", action="store_true",
+                   help="2 layers, decode T 1 32, prefill 512, 2 seeds (explicit options win)")
+    args = p.parse_args(argv)
+    defaults = QUICK if args.quick else dict(layers=LAYERS, tokens=DECODE_TOKENS,
+                                              prefill=PREFILL_TOKENS, seeds=SEEDS)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, list(value) if isinstance(value, tuple) else value)
+    if args.layers < 1 or args.seeds < 1:
+        p.error("--layers and --seeds must be >= 1")
+    if any(t < 1 for t in [*args.tokens, *args.prefill]):
+        p.error("token counts must be >= 1")
+    if not args.tokens and not args.prefill:
+        p.error("nothing to time: give --tokens or --prefill sizes")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    from .common import write_results
+
+    result = run(args.layers, args.tokens, args.prefill, args.seeds, args.static)
+    write_results(args.out, "decoder", result, markdown(result), plot)
+    if not result["ok"]:
+        print("\nFAILED: k3fusion-compiled output is out of the bf16 bound against eager:\n  "
+              + "\n  ".join(result["failure"]), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
