@@ -245,6 +245,10 @@ def patch_model(model: nn.Module) -> PatchReport:
     * AttnRes: every module with an ``apply_attn_res`` method (the Kimi-K3 contract, see
       ``k3fusion.models.kimi_k3.apply_attn_res``) runs the fused kernel; calls whose
       AttnRes or norm modules are not standard (:func:`attn_res_spec`) run the original.
+      Delta hand-off: such a module that also has a bool ``attn_res_handoff`` attribute
+      (``KimiK3Model``: its layers then return their MLP output as the next layer's
+      delta) gets it set, so each layer's closing ``prefix + mlp_out`` is added inside
+      the next fused step (reported as ``<name>.attn_res_handoff``).
     * Latent-MoE tail: every module with ``latent_norm`` and ``up_proj`` children, a
       ``tail(routed_latent, shared)`` method and a ``tp_group`` attribute (the Kimi-K3
       contract, ``k3fusion.models.kimi_k3.KimiK3LatentMoE``) runs its tail through a
@@ -270,6 +274,13 @@ def patch_model(model: nn.Module) -> PatchReport:
                 report.patched.append(f"{name}.apply_attn_res" if name else "apply_attn_res")
             else:
                 report.skipped[f"{name}.apply_attn_res"] = why
+            if isinstance(getattr(module, "attn_res_handoff", None), bool):
+                key = f"{name}.attn_res_handoff" if name else "attn_res_handoff"
+                if module.attn_res_handoff:
+                    report.skipped[key] = "already patched"
+                else:
+                    module.attn_res_handoff = True
+                    report.patched.append(key)
         if not all(hasattr(module, c) for c in _PAIR_CHILDREN[1::2]):
             continue
         if hasattr(module.q_a_layernorm, "_k3fusion_prefetch"):

@@ -19,10 +19,18 @@ Sources: for a list bank the completed blocks are stacked once per distinct bloc
 site; a tensor bank is read in place. A block write into a tensor bank
 (``bank[..., i, :] = prefix``) stays the graph's own op; the site reads the bank version
 before that write (the write index is >= n, so those slots are equal).
+
+Delta hand-off across layers: a layer ends with ``prefix = prefix + mlp_out``, which the
+next layer's first site (or the final one) reads straight back. That add folds like any
+other: the kernel adds ``delta`` and returns the updated prefix as its second result,
+which the block write and any other reader of the sum then read (no add kernel). Such
+folds are also counted as ``attn_res_delta_handoff`` (:func:`count_handoffs` says which
+folds are a layer's closing add).
 """
 
 from __future__ import annotations
 
+import importlib
 import operator
 from dataclasses import dataclass, field
 
@@ -31,13 +39,18 @@ from torch.fx import Graph, Node
 
 from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, dtype_of, erase_unused,
                   external_users, fake_call, hoist_before, is_graph_input, is_op,
-                  matmul_operands, only_user, operands, plan_size_reads, prims, val)
+                  matmul_operands, only_user, operands, plan_size_reads, prims, strip_casts,
+                  val)
 from .rms_norm import (RMSNormMatch, eps_op_args, inverse_rms, parameter_weight, same_input,
                        upcast_input)
 
-__all__ = ["FUSION_NAME", "AttnResSite", "match_attn_res", "fuse_attn_res"]
+__all__ = ["FUSION_NAME", "HANDOFF_NAME", "AttnResSite", "match_attn_res", "fuse_attn_res",
+           "count_handoffs"]
 
 FUSION_NAME = "attn_res"
+#: Folds of a layer's closing ``prefix + mlp_out`` into the next site (a sub-count of the
+#: sites' folds; the sites themselves count under FUSION_NAME).
+HANDOFF_NAME = "attn_res_delta_handoff"
 
 _CAST = prims.convert_element_type.default
 _MUL = aten.mul.Tensor
@@ -125,7 +138,8 @@ def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     product = matmul_operands(view.args[0])
     if product is None:
         raise NoMatch("projection is not a matrix multiply")
-    flat_keys, w_t = product
+    # the fp32 upcasts around a decomposed one-row product belong to the site too
+    flat_keys, w_t = (strip_casts(x) for x in product)
     if not (is_op(w_t, aten.permute.default) and list(w_t.args[1]) == [1, 0]):
         raise NoMatch("projection weight is not transposed")
     proj_w, w_nodes = parameter_weight_2d(w_t.args[0])
@@ -392,7 +406,8 @@ def _op_args(plan: _Rewrite, bank, proj) -> tuple:
             eps_t, out_eps_t)
 
 
-def _rewrite(graph: Graph, plan: _Rewrite, stacks: _BlockStacks) -> None:
+def _rewrite(graph: Graph, plan: _Rewrite, stacks: _BlockStacks) -> Node:
+    """Insert the op for ``plan`` and erase what it replaces; -> the op's node."""
     site = plan.site
     needed = [plan.prefix_in, site.norm_w, site.proj_w] + ([plan.delta] if plan.delta else [])
     needed += site.blocks if site.blocks is not None else [site.bank]
@@ -411,16 +426,24 @@ def _rewrite(graph: Graph, plan: _Rewrite, stacks: _BlockStacks) -> None:
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in plan.erase)
     apply_size_reads(plan.size_reads)
     erase_unused(graph, plan.erase)
+    return node
 
 
 def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RMSNormMatch], list[str]]:
-    """Replace every AttnRes site; returns (sites fused, norms still unclaimed, misses)."""
-    import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
+    """Replace every AttnRes site; returns (sites fused, norms still unclaimed, misses).
+
+    Also records the layer hand-offs among the folds (:data:`HANDOFF_NAME`, see
+    :func:`count_handoffs`) where any site was fused.
+    """
+    from k3fusion.counters import record_matches
+
+    importlib.import_module("k3fusion.ops")  # registers torch.ops.k3fusion.*
 
     claimed: set[Node] = set()
     by_input = {m.x: m for m in norms}
     stacks = _BlockStacks(graph)
     fused, misses = 0, []
+    sites: dict[Node, Node | None] = {}  # every recognized site -> the delta it folded
     for div in [n for n in graph.nodes if is_op(n, aten.div.Tensor)]:
         try:
             site = match_attn_res(div)
@@ -430,11 +453,65 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
             continue
         try:
             plan = _plan(graph, site, by_input, claimed)
-            _rewrite(graph, plan, stacks)
+            node = _rewrite(graph, plan, stacks)
         except NoMatch as e:
             misses.append(f"softmax {div.name}: {e}")
+            sites[site.mixed] = None  # still a site of the chain (untouched, no fold)
             continue
+        sites[node] = plan.delta
         claimed |= plan.erase  # the key norm and the output norm are part of the site now
         fused += 1
+    if fused:
+        record_matches(HANDOFF_NAME, count_handoffs(graph, sites))
     left = [m for m in norms if m.out not in claimed]
     return fused, left, misses
+
+
+def _longest_chains(graph: Graph, sites) -> tuple[dict[Node, int], dict[Node, int], dict[Node, int]]:
+    """-> (sites before, sites after, reach): for each site the most sites on one data
+    path before it / after it; ``reach[n]``: the most sites on one path into ``n`` (``n``
+    included), i.e. 0 for a node computed from no site."""
+    reach, before = {}, {}
+    for n in graph.nodes:
+        r = max((reach[i] for i in n.all_input_nodes), default=0)
+        if n in sites:
+            before[n] = r
+            r += 1
+        reach[n] = r
+    down, after = {}, {}
+    for n in reversed(graph.nodes):
+        r = max((down[u] for u in n.users), default=0)
+        if n in sites:
+            after[n] = r
+            r += 1
+        down[n] = r
+    return before, after, reach
+
+
+def count_handoffs(graph: Graph, sites: dict[Node, Node | None]) -> int:
+    """How many of the folded deltas are a layer's closing ``prefix + mlp_out``.
+
+    ``sites``: every site of the graph (the fused op node, or an unfused site's mix) ->
+    the delta folded into it (None: no fold).
+
+    The criterion is the chain the sites form: a K3 decoder runs two sites per layer
+    (attention-side, then MLP-side), each reading the previous one's result (its output
+    through the sublayer, as the delta or the restarted prefix, and the prefix stream),
+    and the final site after the last layer. Counting sites along the longest data path,
+    the attention-side sites and the final one are those an even number of sites from
+    *both* ends (the chain of a whole model has 2L + 1 sites); a fold there whose delta is
+    computed from the site just before (the MLP output) is the hand-off. The add can be
+    written at the end of a layer or inside the next layer's AttnRes step: same graph.
+    A graph cut inside a layer (a graph break, one layer compiled alone) or a site in
+    the chain that was not recognized gives a chain whose ends disagree (an even number
+    of sites): it counts nothing rather than take a layer's own ``prefix + attn_out``
+    for a hand-off. The first site of a graph has no site before it: not counted.
+    """
+    before, after, reach = _longest_chains(graph, sites)
+    n = 0
+    for site, delta in sites.items():
+        depth = before.get(site)  # (None: no longer in the graph)
+        if (delta is not None and depth and depth % 2 == 0 and after[site] % 2 == 0
+                and reach.get(delta) == depth):
+            n += 1
+    return n

@@ -26,6 +26,11 @@ either a Python list that grows (``attn_res_bank="list"``) or a preallocated
 ``[B, S, max_blocks, H]`` tensor written in place (``"tensor"``).  Each step is
 :meth:`KimiK3DecoderLayer.apply_attn_res` (the contract of
 ``k3fusion.reference.attn_res``), a method so an eager patch can swap it.
+A layer ends with ``prefix = prefix + mlp_out``; with
+``KimiK3Model.attn_res_handoff`` (off by default; ``k3fusion.eager.patch_model``
+turns it on) a layer instead returns its MLP output as the next layer's delta,
+which that layer's first AttnRes step (or the final one) adds: the same add,
+moved to where a fused step can do it (see :meth:`KimiK3DecoderLayer.forward_attn_res`).
 
 ``latent_moe=True`` replaces every layer's dense ``mlp`` (``KimiK3MLP``) with
 K3's normalized latent mixture of experts (:class:`KimiK3LatentMoE`): a sigmoid
@@ -743,27 +748,51 @@ class KimiK3DecoderLayer(AttnResStep, nn.Module):
             )
 
     def forward(
-        self, hidden_states: Tensor, bank: AttnResBank | None = None
-    ) -> Tensor | tuple[Tensor, AttnResBank]:
-        """Plain: hidden [B, S, H] -> hidden.  attn_res: (prefix, bank) -> (prefix, bank)."""
+        self,
+        hidden_states: Tensor,
+        bank: AttnResBank | None = None,
+        delta: Tensor | None = None,
+        *,
+        handoff: bool = False,
+    ) -> Tensor | tuple[Tensor, AttnResBank] | tuple[Tensor, AttnResBank, Tensor]:
+        """Plain: hidden [B, S, H] -> hidden.  attn_res: (prefix, bank) -> (prefix, bank),
+        or the hand-off form (see :meth:`forward_attn_res`)."""
         if self.use_attn_res:
             if bank is None:
                 raise ValueError("an attn_res decoder layer needs the block bank")
-            return self.forward_attn_res(hidden_states, bank)
+            return self.forward_attn_res(hidden_states, bank, delta, handoff=handoff)
+        if delta is not None or handoff:
+            raise ValueError("delta / handoff are for attn_res decoder layers only")
         # Plain pre-norm residuals.
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states))
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states
 
     def forward_attn_res(
-        self, prefix: Tensor, bank: AttnResBank
-    ) -> tuple[Tensor, AttnResBank]:
+        self,
+        prefix: Tensor,
+        bank: AttnResBank,
+        delta: Tensor | None = None,
+        *,
+        handoff: bool = False,
+    ) -> tuple[Tensor, AttnResBank] | tuple[Tensor, AttnResBank, Tensor]:
+        """One layer: ``(prefix, bank) -> (prefix + mlp_out, bank)``.
+
+        Delta hand-off (what ``KimiK3Model.attn_res_handoff`` runs): ``handoff=True``
+        returns ``(prefix, bank, mlp_out)`` without the closing add, and the next layer
+        takes ``mlp_out`` as ``delta``: its first AttnRes step adds it to the prefix
+        (``apply_attn_res(..., delta=delta)``: the same model-dtype ``prefix + mlp_out``,
+        and at a block-write layer the block written is that sum). The last layer's goes
+        to the final AttnRes step. A fused step computes the sum in its kernel instead of
+        reading it back from memory.
+        """
         write = self.is_block_write_layer
         h, prefix, bank = self.apply_attn_res(
             prefix,
             bank,
             self.attn_res,
             self.prev_valid_blocks,
+            delta=delta,
             output_norm=self.input_layernorm,
             block_write_idx=self.block_write_idx if write else -1,
         )
@@ -782,11 +811,21 @@ class KimiK3DecoderLayer(AttnResStep, nn.Module):
             output_norm=self.post_attention_layernorm,
         )
         h = self.mlp(h)
+        if handoff:
+            return prefix, bank, h
         prefix = prefix + h
         return prefix, bank
 
 
 class KimiK3Model(AttnResStep, nn.Module):
+    #: attn_res only. False (the reference): every layer returns ``prefix + mlp_out``.
+    #: True: every layer hands its MLP output to the next layer's first AttnRes step (the
+    #: last layer's to the final one) as that step's ``delta`` -- the same arithmetic
+    #: (see :meth:`KimiK3DecoderLayer.forward_attn_res`), so a fused step adds it in its
+    #: kernel. A plain attribute, not state: ``k3fusion.eager.patch_model`` sets it.
+    #: Forward hooks on the layers then see ``(prefix, bank, mlp_out)``.
+    attn_res_handoff: bool = False
+
     def __init__(self, config: KimiK3Config, tp_group: object = None) -> None:
         super().__init__()
         _check_supported(config)
@@ -822,9 +861,16 @@ class KimiK3Model(AttnResStep, nn.Module):
             bank = torch.zeros(
                 bsz, seq, self.max_blocks, hidden, dtype=prefix.dtype, device=prefix.device
             )
-        for layer in self.layers:
-            prefix, bank = layer(prefix, bank)
-        hidden_states, _, _ = self.apply_attn_res(prefix, bank, self.final_res, self.max_blocks)
+        delta = None
+        if self.attn_res_handoff:  # each MLP output goes to the next AttnRes step as delta
+            for layer in self.layers:
+                prefix, bank, delta = layer(prefix, bank, delta, handoff=True)
+        else:
+            for layer in self.layers:
+                prefix, bank = layer(prefix, bank)
+        hidden_states, _, _ = self.apply_attn_res(
+            prefix, bank, self.final_res, self.max_blocks, delta=delta
+        )
         return self.norm(hidden_states)
 
 
