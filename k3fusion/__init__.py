@@ -10,6 +10,7 @@ Three ways in:
 from __future__ import annotations
 
 from . import ops  # noqa: F401  registers torch.ops.k3fusion.*
+from . import moe_tail  # noqa: F401  registers the fused-tail (TAIL_FUSION) kernel
 from .backend import install, uninstall
 from .config import FusionConfig, get_config, set_config
 from .counters import match_counts, reset_match_counts

@@ -8,8 +8,11 @@ they differ in where the up-projection FLOPs and the collectives go:
 ``TAIL_FUSION``
     Small T: one fused kernel (norm prologue, skinny up-projection, shared add). Only
     where a registered implementation supports the platform and tp
-    (:func:`register_tail_fusion`); none is registered on CPU, so there it is never
-    selected and forcing it is an error.
+    (:func:`register_tail_fusion`). Importing this module registers ``"triton"``
+    (``k3fusion.kernels.moe_tail``: CUDA, tp = 1, ``0 < T <= MAX_TOKENS`` = 64; selection
+    still stops at ``fused_tail_max_tokens``). None is registered for CPU, so there it
+    is never selected and forcing it is an error (the kernel itself runs on CPU in
+    Triton's interpreter, called directly, for tests).
 ``ALLREDUCE_OVERLAP``
     The shared-expert all-reduce runs concurrently with the replicated up-projection:
     on CUDA on a side stream ordered by events (no host sync, CUDA-graph safe); on CPU
@@ -92,17 +95,20 @@ class TierUnavailableError(ValueError):
 
 @dataclass(frozen=True)
 class TailFusionImpl:
-    """One fused-tail implementation (the GPU step registers the Triton kernel).
+    """One fused-tail implementation (``"triton"``, the Triton kernel, is registered below).
 
     ``supports(tokens, hidden, tp, device)`` returns None when it can run such a call,
     else why not (it must depend on static facts and T only, like the selection).
     ``run(routed_latent [T, L], shared [T, H], norm_w, eps, up_w, group, weight_in_fp32)``
-    returns ``[T, H]`` and must not modify its inputs.
+    returns ``[T, H]`` and must not modify its inputs. ``device_types``: the device types
+    (``"cuda"``, ...) it is for, None for any; an implementation is not asked about other
+    devices (so a CPU call reports that none is registered for ``'cpu'``).
     """
 
     name: str
     supports: Callable[[int, int, int, torch.device], Optional[str]]
     run: Callable[..., torch.Tensor]
+    device_types: Optional[tuple[str, ...]] = None
 
 
 _TAIL_FUSION_IMPLS: list[TailFusionImpl] = []
@@ -112,6 +118,10 @@ def register_tail_fusion(impl: TailFusionImpl) -> None:
     """Make ``impl`` a candidate for ``TAIL_FUSION`` (first registered that supports a call runs)."""
     if not isinstance(impl, TailFusionImpl):
         raise TypeError(f"impl must be a TailFusionImpl, got {type(impl).__name__}")
+    types = impl.device_types
+    if types is not None and (not isinstance(types, tuple)
+                              or not all(isinstance(t, str) for t in types)):
+        raise TypeError(f"device_types must be None or a tuple of device type names, got {types!r}")
     if any(i.name == impl.name for i in _TAIL_FUSION_IMPLS):
         raise ValueError(f"a tail-fusion implementation named {impl.name!r} is registered already")
     _TAIL_FUSION_IMPLS.append(impl)
@@ -132,11 +142,15 @@ def tail_fusion_impls() -> tuple[TailFusionImpl, ...]:
 
 def _tail_fusion_impl(tokens: int, hidden: int, tp: int, device: torch.device):
     """(the first implementation supporting the call, None) or (None, why none does)."""
-    if not _TAIL_FUSION_IMPLS:
+    candidates = [i for i in _TAIL_FUSION_IMPLS
+                  if i.device_types is None or device.type in i.device_types]
+    if not candidates:
+        others = ", ".join(f"{i.name} ({'/'.join(i.device_types)})" for i in _TAIL_FUSION_IMPLS)
         return None, (f"no fused-tail implementation supports device {device.type!r}, tp={tp}: "
-                      "none is registered (the Triton kernel lands with the GPU step)")
+                      f"none is registered for {device.type!r}"
+                      + (f" (registered: {others})" if others else ""))
     whys = []
-    for impl in _TAIL_FUSION_IMPLS:
+    for impl in candidates:
         why = impl.supports(tokens, hidden, tp, device)
         if why is None:
             return impl, None
@@ -464,3 +478,30 @@ def latent_moe_tail(
     return run_latent_moe_tail(routed_latent, shared, norm_w, eps, up_w, group,
                                weight_in_fp32=weight_in_fp32, tier=tier, config=config,
                                donate_shared=donate_shared)[0]
+
+
+# ---------------------------------------------------------------------- the Triton kernel
+
+
+def _triton_supports(tokens: int, hidden: int, tp: int, device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return f"runs on CUDA, not on device {device.type!r}"
+    if tp != 1:
+        return (f"tp={tp}: the kernel computes one rank's whole tail (tp=1 only; with tp > 1 "
+                "the all-reduces between norm and GEMM cannot be fused into it)")
+    # Imported here, not at module import: the kernel is decorated when first needed.
+    from k3fusion.kernels.moe_tail import MAX_TOKENS
+
+    if not 0 < tokens <= MAX_TOKENS:
+        return f"T={tokens} is outside the kernel's range 1..{MAX_TOKENS}"
+    return None
+
+
+def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32):
+    # tp == 1 (supports() said so): a one-rank group's all-reduces are identities.
+    from k3fusion.kernels import latent_moe_tail_fused as launch
+
+    return launch(routed, shared, norm_w, eps, up_w, weight_in_fp32=weight_in_fp32)
+
+
+register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",)))

@@ -1,10 +1,13 @@
 """Triton kernels: one module per kernel family, each with its launcher.
 
 Launchers take already-validated 2-D row views and preallocated outputs; argument
-checking and dispatch live in ``k3fusion.ops``.
+checking and dispatch live in ``k3fusion.ops``. The fused latent-MoE tail
+(``latent_moe_tail_fused``, reached through ``k3fusion.moe_tail``'s tier registry)
+validates its own arguments and returns a new output.
 """
 
 from .attn_res import attn_res
 from .dual_rms_norm import dual_rms_norm
+from .moe_tail import latent_moe_tail_fused
 
-__all__ = ["attn_res", "dual_rms_norm"]
+__all__ = ["attn_res", "dual_rms_norm", "latent_moe_tail_fused"]

@@ -528,7 +528,7 @@ def test_registered_tail_fusion_is_selected_at_small_t():
         assert torch.equal(y, reference.latent_moe_tail(x, s, w, EPS, up))
     finally:
         moe_tail.unregister_tail_fusion("test-cpu-tp1")
-    assert moe_tail.tail_fusion_impls() == ()
+    assert "test-cpu-tp1" not in {i.name for i in moe_tail.tail_fusion_impls()}
 
 
 # ---------------------------------------------------------------------------- config / env

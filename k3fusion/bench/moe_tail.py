@@ -1,0 +1,400 @@
+"""Benchmark the latent-MoE tail on one GPU (needs CUDA).
+
+``python -m k3fusion.bench.moe_tail [--out DIR] [--tokens T ...] [--sweep | --sweep-only]
+[--tp-tokens T ...] [--tps TP ...]``
+
+Kimi-K3's widths: latent ``L = 3584``, hidden ``H = 7168``, bf16, HF-style latent norm
+(eps 1e-6); ``up_w`` is 51 MB, so at decode sizes the tail is bound by reading it once.
+
+**(a) tp = 1 tail** ``shared + rms_norm(routed) @ up_w.T`` at each ``--tokens`` T (the
+fused tier's 1-16, and 32, 64 for context), each under CUDA-graph replay (median),
+inputs (weights included) rotated to outgrow L2:
+
+* ``eager``: the function as a model writes it (norm, then ``shared + h @ up_w.T``);
+* ``inductor``: default ``torch.compile`` of it (a norm kernel + cuBLAS ``addmm``);
+* ``kernel``: the fused kernel called directly (``k3fusion.kernels.moe_tail``, its
+  default launch config, any T <= 64);
+* ``op``: ``torch.ops.k3fusion.latent_moe_tail`` (tier selected per call: the kernel
+  for T <= ``fused_tail_max_tokens``, the replicated form above);
+* the HBM floor: reading ``up_w``, the routed and shared rows and writing the output
+  once at 4.3 TB/s.
+
+The graph pass claims a tp = 1 tail only where the shared value is a projection output
+(``patterns/moe_tail.py``), so the compiled comparison uses the model form
+``act @ down_w.T + rms_norm(routed) @ up_w.T`` (the shared expert's down-projection,
+``[H, 2048]``, 29 MB): ``model_inductor`` vs ``model_k3fusion`` (``backend="k3fusion"``:
+one match, cuBLAS for the shared projection, the fused tail after it), with its own floor.
+
+Every variant is checked against ``k3fusion.reference.latent_moe_tail`` before timing.
+
+``--sweep`` also times the kernel at every launch config of a grid (``block_n`` x
+``split_k`` x ``num_warps`` x ``num_stages`` at the default ``block_k`` and
+``norm_block_k``, then each of those two varied for the three fastest) at each T <= 64, to choose
+``kernels.moe_tail.pick_launch_config``; ``--sweep-only`` runs just that (no compiles).
+
+**(b) column-parallel vs replicated up-projection GEMM** (the large-T tiers' GEMM cost on
+one GPU): for T in ``--tp-tokens`` and tp in ``--tps``, one rank's
+``out.narrow(-1, r*H/tp, H/tp).addmm_(h, up_w.narrow(0, r*H/tp, H/tp).t())`` against the
+full ``h @ up_w.T`` (speedup: ideally tp).
+
+Writes ``moe_tail.json``, ``moe_tail.md`` and ``moe_tail.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .common import base_parser, compile_uncached, environment, hf_rms_norm, write_results
+from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
+
+TOKENS = (1, 4, 8, 16, 32, 64)
+TP_TOKENS = (512, 4096, 16384)
+TPS = (2, 4, 8)
+LATENT, HIDDEN, SHARED_INTER = 3584, 7168, 2048
+EPS = 1e-6
+DTYPE = torch.bfloat16
+DEVICE = "cuda"  # (a CPU dry run of the code paths sets "cpu" and smaller widths)
+
+#: The sweep grid (stage 1 at the default block_k; stage 2: block_k for the 3 fastest).
+SWEEP_BLOCK_N = (16, 32, 64, 128)
+SWEEP_SPLIT_K = (1, 2, 4)
+SWEEP_WARPS = (4, 8)
+SWEEP_STAGES = (3, 4, 5)
+SWEEP_BLOCK_K = (64, 128, 256, 512)
+SWEEP_NORM_BLOCK_K = (256, 512, 1024, 2048)
+
+
+def tail(routed, shared, norm_w, up_w):
+    """The tp = 1 tail as a model writes it."""
+    return shared + hf_rms_norm(routed, norm_w, EPS) @ up_w.T
+
+
+def tail_model_form(act, down_w, routed, norm_w, up_w):
+    """The tail with the shared expert's down-projection (what the graph pass claims)."""
+    return act @ down_w.T + hf_rms_norm(routed, norm_w, EPS) @ up_w.T
+
+
+def _tail_inputs(t: int):
+    device = DEVICE
+    routed = torch.randn(t, LATENT, device=device).to(DTYPE)
+    shared = torch.randn(t, HIDDEN, device=device).to(DTYPE)
+    norm_w = (1 + 0.1 * torch.randn(LATENT, device=device)).to(DTYPE)
+    up_w = (torch.randn(HIDDEN, LATENT, device=device) / LATENT**0.5).to(DTYPE)
+    return routed, shared, norm_w, up_w
+
+
+def _tail_bytes(t: int) -> int:
+    return 2 * (HIDDEN * LATENT + LATENT + t * LATENT + 2 * t * HIDDEN)
+
+
+def _model_inputs(t: int):
+    device = DEVICE
+    routed, _, norm_w, up_w = _tail_inputs(t)
+    act = torch.randn(t, SHARED_INTER, device=device).to(DTYPE)
+    down_w = (torch.randn(HIDDEN, SHARED_INTER, device=device) / SHARED_INTER**0.5).to(DTYPE)
+    return act, down_w, routed, norm_w, up_w
+
+
+def _model_bytes(t: int) -> int:
+    return _tail_bytes(t) - 2 * t * HIDDEN + 2 * (HIDDEN * SHARED_INTER + t * SHARED_INTER)
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    # bf16 outputs of size ~1: a few output roundings apart at most; a wrong result is
+    # off by O(1).
+    try:
+        torch.testing.assert_close(out, ref, rtol=2**-6, atol=2e-2)
+    except AssertionError as e:
+        raise AssertionError(f"{what} does not match the reference: {e}") from None
+
+
+def config_label(cfg) -> str:
+    return (f"n{cfg.block_n}_k{cfg.block_k}_p{cfg.norm_block_k}_s{cfg.split_k}"
+            f"_w{cfg.num_warps}_st{cfg.num_stages}")
+
+
+def _sweep(t: int, sets) -> dict:
+    """``{label: us}`` over the grid, the default config's label, and the fastest."""
+    from k3fusion.kernels.moe_tail import LaunchConfig, _num_sms, pick_launch_config
+    from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
+
+    default = pick_launch_config(t, HIDDEN, LATENT, DTYPE, _num_sms(torch.device(DEVICE)))
+    ref = tail(*sets[0])
+
+    def time(cfg: LaunchConfig) -> float:
+        opts = dict(block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                    norm_block_k=cfg.norm_block_k)
+        fn = lambda r, s, w, u: launch(r, s, w, EPS, u, **opts)  # noqa: E731
+        try:
+            _check(fn(*sets[0]), ref, f"kernel {config_label(cfg)}")
+            return cuda_graph_us(fn, sets)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip, say so
+            print(f"  T={t} {config_label(cfg)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return float("nan")
+
+    times, configs = {}, {}
+
+    def add(cfg: LaunchConfig) -> None:
+        label = config_label(cfg)
+        if label not in times:
+            configs[label] = cfg
+            times[label] = time(cfg)
+
+    for bn, sk, nw, ns in itertools.product(SWEEP_BLOCK_N, SWEEP_SPLIT_K, SWEEP_WARPS,
+                                            SWEEP_STAGES):
+        add(replace(default, block_n=bn, split_k=sk, num_warps=nw, num_stages=ns))
+    fastest = sorted((v, k) for k, v in times.items() if v == v)[:3]
+    for _, label in fastest:
+        for bk in SWEEP_BLOCK_K:
+            add(replace(configs[label], block_k=bk))
+        for pk in SWEEP_NORM_BLOCK_K:
+            add(replace(configs[label], norm_block_k=pk))
+    add(default)
+    ok = {k: v for k, v in times.items() if v == v}
+    best = min(ok, key=ok.get) if ok else None
+    return {"times_us": times, "default": config_label(default), "best": best}
+
+
+@torch.no_grad()  # inference graphs: what the passes fuse (and no recompile on grad mode)
+def run_tail(tokens=TOKENS, sweep: bool = False, variants: bool = True) -> list[dict]:
+    import k3fusion
+    from k3fusion import reference
+    from k3fusion.kernels.moe_tail import MAX_TOKENS
+    from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
+
+    def kernel(routed, shared, norm_w, up_w):
+        return launch(routed, shared, norm_w, EPS, up_w)
+
+    def op(routed, shared, norm_w, up_w):
+        return torch.ops.k3fusion.latent_moe_tail(routed, shared, norm_w, EPS, up_w, None)
+
+    rows = []
+    for t in tokens:
+        # Distinct weights per set too: up_w alone nearly fits in L2.
+        sets = [_tail_inputs(t) for _ in range(sets_to_outgrow_l2(_tail_bytes(t)))]
+        ref = reference.latent_moe_tail(*sets[0][:3], EPS, sets[0][3])
+        row = {"T": t, "floor_us": hbm_floor_us(_tail_bytes(t)), "input_sets": len(sets)}
+        if variants:
+            fns = {"eager": tail, "inductor": compile_uncached(tail, "inductor"), "op": op}
+            if t <= MAX_TOKENS:
+                fns["kernel"] = kernel
+            for name, fn in fns.items():
+                _check(fn(*sets[0]), ref, name)  # compiles, then checks, then times
+                row[f"{name}_us"] = cuda_graph_us(fn, sets)
+            row["op_tier"] = str(k3fusion.moe_tail.select_tier(t, HIDDEN, 1, DEVICE))
+
+            msets = [_model_inputs(t) for _ in range(sets_to_outgrow_l2(_model_bytes(t)))]
+            mref = tail_model_form(*msets[0])
+            row["model_floor_us"] = hbm_floor_us(_model_bytes(t))
+            row["model_eager_us"] = cuda_graph_us(tail_model_form, msets)
+            for name, backend in (("model_inductor", "inductor"), ("model_k3fusion", "k3fusion")):
+                k3fusion.reset_match_counts()
+                fn = compile_uncached(tail_model_form, backend)
+                _check(fn(*msets[0]), mref, name)
+                if backend == "k3fusion":
+                    row["model_k3fusion_matches"] = k3fusion.match_counts().get("moe_tail", 0)
+                row[f"{name}_us"] = cuda_graph_us(fn, msets)
+            if "kernel_us" in row:
+                row["kernel_vs_inductor"] = row["inductor_us"] / row["kernel_us"]
+                row["kernel_of_floor"] = row["floor_us"] / row["kernel_us"]
+            row["model_k3fusion_vs_inductor"] = row["model_inductor_us"] / row["model_k3fusion_us"]
+        if sweep and t <= MAX_TOKENS:
+            row["sweep"] = _sweep(t, sets)
+            best = row["sweep"]["best"]
+            if best:
+                row["sweep_best_us"] = row["sweep"]["times_us"][best]
+                row["sweep_default_us"] = row["sweep"]["times_us"][row["sweep"]["default"]]
+        rows.append(row)
+        print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items() if k != "sweep"), flush=True)
+        if "sweep" in row:
+            print(f"  sweep: best {row['sweep']['best']} {row.get('sweep_best_us', float('nan')):.2f} us,"
+                  f" default {row['sweep']['default']} {row.get('sweep_default_us', float('nan')):.2f} us",
+                  flush=True)
+    return rows
+
+
+@torch.no_grad()
+def run_tp(tokens=TP_TOKENS, tps=TPS) -> list[dict]:
+    """(b): one rank's column-parallel ``addmm_`` vs the replicated full GEMM."""
+    rows = []
+    for t in tokens:
+        nbytes = 2 * (t * LATENT + HIDDEN * LATENT + 2 * t * HIDDEN)
+        sets = []
+        for _ in range(sets_to_outgrow_l2(nbytes)):
+            h = torch.randn(t, LATENT, device=DEVICE).to(DTYPE)
+            up_w = (torch.randn(HIDDEN, LATENT, device=DEVICE) / LATENT**0.5).to(DTYPE)
+            sets.append((h, up_w, torch.zeros(t, HIDDEN, device=DEVICE, dtype=DTYPE)))
+        flops = 2.0 * t * LATENT * HIDDEN
+
+        def full(h, up_w, out):
+            return h @ up_w.T
+
+        row = {"T": t, "input_sets": len(sets)}
+        row["replicated_us"] = cuda_graph_us(full, sets)
+        row["replicated_tflops"] = flops / row["replicated_us"] * 1e-6
+        ref = full(*sets[0])
+        for tp in tps:
+            if HIDDEN % tp:
+                continue
+            shard = HIDDEN // tp
+            start = (tp - 1) * shard  # the last rank: a shard at a nonzero column offset
+
+            def column(h, up_w, out, start=start, shard=shard):
+                out.narrow(-1, start, shard).addmm_(h, up_w.narrow(0, start, shard).t())
+
+            h, up_w, out = sets[0]
+            out.zero_()
+            column(h, up_w, out)
+            _check(out[:, start:start + shard], ref[:, start:start + shard], f"tp={tp} shard")
+            row[f"tp{tp}_us"] = cuda_graph_us(column, sets)  # accumulates: timing only
+            row[f"tp{tp}_speedup"] = row["replicated_us"] / row[f"tp{tp}_us"]
+            row[f"tp{tp}_tflops"] = flops / tp / row[f"tp{tp}_us"] * 1e-6
+        rows.append(row)
+        print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items()), flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run(tokens=TOKENS, sweep: bool = False, sweep_only: bool = False, tp_tokens=TP_TOKENS,
+        tps=TPS) -> dict:
+    rows = run_tail(tokens, sweep or sweep_only, variants=not sweep_only)
+    tp_rows = [] if sweep_only else run_tp(tp_tokens, tps)
+    return {"bench": "moe_tail", "latent": LATENT, "hidden": HIDDEN, "dtype": "bfloat16",
+            "rows": rows, "tp_rows": tp_rows, "tps": list(tps), **environment()}
+
+
+def _f(row: dict, key: str, fmt: str = "{:.2f}") -> str:
+    v = row.get(key)
+    return "-" if v is None or v != v else fmt.format(v)
+
+
+def markdown(result: dict) -> str:
+    head = (f"Latent-MoE tail, L {result['latent']} -> H {result['hidden']}, "
+            f"{result['dtype']}. {result['gpu']}, {result['date']}, torch {result['torch']}, "
+            f"triton {result['triton']}. CUDA-graph replay (20 calls per graph, inputs and "
+            "weights rotated to outgrow L2), median us per call.")
+    lines = [head, ""]
+    rows = [r for r in result["rows"] if "eager_us" in r]
+    if rows:
+        lines += [
+            "(a) tp = 1 tail `shared + rms_norm(routed) @ up_w.T`:",
+            "",
+            "| T | eager | default Inductor | fused kernel | op (tier) | HBM floor "
+            "| kernel vs Inductor | of floor |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['T']} | {_f(r, 'eager_us')} | {_f(r, 'inductor_us')} | "
+                f"{_f(r, 'kernel_us')} | {_f(r, 'op_us')} ({r.get('op_tier', '-')}) | "
+                f"{_f(r, 'floor_us')} | {_f(r, 'kernel_vs_inductor', '{:.2f}x')} | "
+                f"{_f(r, 'kernel_of_floor', '{:.0%}')} |")
+        lines += [
+            "",
+            "Model form `act @ down_w.T + rms_norm(routed) @ up_w.T` (shared down-projection "
+            f"[{result['hidden']}, {SHARED_INTER}]), compiled:",
+            "",
+            "| T | eager | default Inductor | k3fusion | matches | HBM floor | k3fusion vs Inductor |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['T']} | {_f(r, 'model_eager_us')} | {_f(r, 'model_inductor_us')} | "
+                f"{_f(r, 'model_k3fusion_us')} | {r.get('model_k3fusion_matches', '-')} | "
+                f"{_f(r, 'model_floor_us')} | {_f(r, 'model_k3fusion_vs_inductor', '{:.2f}x')} |")
+    swept = [r for r in result["rows"] if "sweep" in r]
+    if swept:
+        lines += ["", "Kernel launch-config sweep (label: block_n, block_k, norm_block_k, "
+                  "split_k, warps, stages; fastest five, and the default):", "",
+                  "| T | fastest (us) | default (us) |", "|---:|---|---|"]
+        for r in swept:
+            times = {k: v for k, v in r["sweep"]["times_us"].items() if v == v}
+            top = sorted(times, key=times.get)[:5]
+            d = r["sweep"]["default"]
+            lines.append(f"| {r['T']} | " + ", ".join(f"{k} {times[k]:.2f}" for k in top)
+                         + f" | {d} {_f(r['sweep']['times_us'], d)} |")
+    tp_rows = result.get("tp_rows") or []
+    if tp_rows:
+        tps = result["tps"]
+        lines += ["", "(b) Up-projection GEMM on one GPU: one rank's column-parallel "
+                  "`addmm_` (H/tp columns) vs the replicated full `h @ up_w.T` "
+                  "(us, speedup; ideal = tp):", "",
+                  "| T | replicated | " + " | ".join(f"tp={tp}" for tp in tps) + " |",
+                  "|---:|---:|" + "---:|" * len(tps)]
+        for r in tp_rows:
+            cells = [f"{_f(r, f'tp{tp}_us')} ({_f(r, f'tp{tp}_speedup', '{:.2f}x')})"
+                     for tp in tps]
+            lines.append(f"| {r['T']} | {_f(r, 'replicated_us')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
+
+    rows = [r for r in result["rows"] if "eager_us" in r]
+    tp_rows = result.get("tp_rows") or []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax = axes[0]
+    for key, label in (("eager_us", "eager"), ("inductor_us", "default Inductor"),
+                       ("kernel_us", "fused kernel"), ("model_inductor_us", "model form, Inductor"),
+                       ("model_k3fusion_us", "model form, k3fusion"), ("floor_us", "HBM floor")):
+        pts = [(r["T"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label,
+                    linestyle="--" if key == "floor_us" else "-")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set(xlabel="tokens T", ylabel="us (CUDA-graph replay, median)",
+           title=f"(a) tp=1 tail, bf16, {result['gpu']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for r in tp_rows:
+        tps = [tp for tp in result["tps"] if f"tp{tp}_speedup" in r]
+        ax.plot(tps, [r[f"tp{tp}_speedup"] for tp in tps], marker="o", label=f"T={r['T']}")
+    if tp_rows:
+        ax.plot(result["tps"], result["tps"], linestyle="--", color="gray", label="ideal (tp)")
+    ax.set(xlabel="tp", ylabel="replicated / column-parallel GEMM time",
+           title="(b) column-parallel up-projection GEMM speedup")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parser():
+    p = base_parser("python -m k3fusion.bench.moe_tail", TOKENS)
+    p.add_argument("--sweep-only", action="store_true",
+                   help="only the kernel launch-config sweep (no compiles, no tp part)")
+    p.add_argument("--tp-tokens", type=int, nargs="*", default=list(TP_TOKENS),
+                   help="T of the column-parallel GEMM comparison (none: skip it)")
+    p.add_argument("--tps", type=int, nargs="*", default=list(TPS))
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    for name in ("tokens", "tp_tokens", "tps"):
+        if any(v < 1 for v in getattr(args, name)):
+            raise SystemExit(f"--{name.replace('_', '-')} values must be >= 1")
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (none is visible here)")
+    result = run(args.tokens, args.sweep, args.sweep_only, args.tp_tokens, args.tps)
+    write_results(args.out, "moe_tail", result, markdown(result), plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,450 @@
+"""The small-T latent-MoE tail in one Triton launch (the ``TAIL_FUSION`` tier, tp = 1)::
+
+    out[T, H] = shared[T, H] + rms_norm(routed[T, L], norm_w[L], eps) @ up_w[H, L].T
+
+For decode-sized T (Kimi-K3: L = 3584, H = 7168, bf16) the op is bound by reading
+``up_w`` (51 MB) once; the token rows are tiny and stay in L2. Default Inductor runs a
+norm kernel, then a cuBLAS ``addmm``; this kernel does both in one pass over ``up_w``.
+
+Grid: ``(cdiv(H, BLOCK_N), SPLIT_K)``. Each program owns ``BLOCK_N`` output columns and
+one K range of ``L``:
+
+1. **Norm prologue**: the inverse RMS of every token row over the *full* ``L`` (a
+   ``[BLOCK_M, NORM_BLOCK_K]`` fp32 sum of squares, reduced once). Every program
+   recomputes it: ``T * L`` elements from L2, cheaper than a second launch or a grid-wide
+   barrier. It runs before any weight tile is requested, so it is pure latency: its
+   loop is software-pipelined (``tl.range(num_stages=4)``: three tiles in flight through
+   shared memory -- ``cp.async`` in the sm_90 code; a plain ``range`` loop waits one L2
+   round trip per step) and ``NORM_BLOCK_K`` is wider than ``BLOCK_K`` (steps of ~8K
+   elements).
+2. **Main loop** over its K range in ``BLOCK_K`` steps: the normalized A tile is formed
+   from the routed rows exactly as ``k3fusion.reference.rms_norm`` rounds it
+   (constexpr ``WEIGHT_IN_FP32``, same forms as ``kernels/dual_rms_norm.py``) and rounded
+   to ``up_w``'s dtype -- the GEMM input the reference feeds cuBLAS -- then
+   ``acc += A @ up_w[cols, k].T`` with an fp32 accumulator. T is padded to ``BLOCK_M``
+   (>= 16, ``tl.dot``'s smallest M) by masks; padded rows get an inverse RMS of 0 so they
+   stay 0 even with ``eps = 0``.
+3. **Epilogue**: ``acc + shared`` in fp32, stored once in the output dtype: one rounding
+   where the reference rounds the GEMM output and then the sum (the tests bound the
+   difference).
+
+**Split-K** (constexpr ``SPLIT_K > 1``): more programs than column tiles, for when
+``cdiv(H, BLOCK_N)`` alone cannot keep every SM streaming. Each program stores its fp32
+partial tile in a workspace ``[SPLIT_K, T, H]`` and arrives at its column tile's counter;
+the *last* to arrive sums the ``SPLIT_K`` partials in split order (deterministic, whatever
+the arrival order), adds ``shared``, stores, and resets the counter to 0 for the next
+launch (CUDA-graph replays included). No program ever waits, so no residency assumption
+is needed. Counters are one buffer per device and stream: launches on one stream are
+serialized, and two streams never share a counter.
+
+Triton's CPU interpreter (``TRITON_INTERPRET=1``; tests) computes a 16-bit ``tl.dot``
+wrongly, so constexpr ``DOT_IN_FP32`` makes the dot an fp32 one of the already-rounded
+16-bit operands (exact products, fp32 sums: the same math as the tensor-core dot up to
+summation order). fp32 inputs always take that path with ``input_precision="ieee"``
+(torch's fp32 matmul does not use TF32 by default). ``GPU_FENCE`` is off there too
+(programs run one after another; inline PTX does not exist).
+
+Launch options (:class:`LaunchConfig`: ``block_n``, ``block_k``, ``norm_block_k``,
+``num_warps``, ``num_stages``, ``split_k``) default to :func:`pick_launch_config`; the
+benchmark (``python -m k3fusion.bench.moe_tail --sweep``) times the alternatives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import cdiv, interpreter_enabled
+
+__all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_fused",
+           "check_fused_tail_args"]
+
+#: Largest token count the kernel takes (``BLOCK_M`` = T padded to a power of two >= 16).
+#: Tier selection additionally stops at ``FusionConfig.fused_tail_max_tokens`` (16).
+MAX_TOKENS = 64
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _fence_gpu():
+    # Make this thread's earlier stores visible GPU-wide (release) / order its later
+    # loads after what other programs released (acquire).
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _store_out(acc, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, mask):
+    """``y = (acc + shared)`` rounded once to the output dtype."""
+    s = tl.load(s_ptr + rows64[:, None] * s_stride + cols[None, :], mask=mask, other=0.0)
+    y = acc + s.to(tl.float32)
+    tl.store(y_ptr + rows64[:, None] * y_stride + cols[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# T: one binary for every T of a BLOCK_M (no separate T == 1 compile); SPLIT_STRIDE: a
+# tensor even when T * H == 1, so .to(int64) works.
+@triton.jit(do_not_specialize=["T", "SPLIT_STRIDE"])
+def _moe_tail_kernel(
+    x_ptr, x_stride,            # routed latent [T, L]
+    w_ptr,                      # norm weight [L]
+    up_ptr, up_stride,          # up-projection [H, L]
+    s_ptr, s_stride,            # shared [T, H]
+    y_ptr, y_stride,            # out [T, H]
+    ws_ptr,                     # split-K partials [SPLIT_K, T, H] fp32 (unused if SPLIT_K == 1)
+    lock_ptr,                   # split-K arrival counters [>= cdiv(H, BLOCK_N)] int32
+    T, L, H,
+    eps,
+    K_PER_SPLIT,                # columns of L per split (a multiple of BLOCK_K)
+    SPLIT_STRIDE,               # T * H: one split's partials in the workspace
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM_BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    WEIGHT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    GPU_FENCE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < T
+    # int64 offsets: row * stride overflows int32 for wide rows at large strides.
+    rows64 = rows.to(tl.int64)
+    x_rows = x_ptr + rows64[:, None] * x_stride
+
+    # ---- 1. norm prologue: sum of squares over the full row (all of L, whatever split).
+    # Pipelined explicitly: a loop without a dot is not pipelined by default, and every
+    # step would then wait a full L2 round trip before the weight stream even starts.
+    sq = tl.zeros([BLOCK_M, NORM_BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, L, NORM_BLOCK_K, num_stages=4):
+        ks = k0 + tl.arange(0, NORM_BLOCK_K)
+        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < L)[None, :], other=0.0)
+        x32 = x.to(tl.float32)
+        sq += x32 * x32
+    # Padded rows: 0, not rsqrt(eps) (inf when eps == 0, and 0 * inf = NaN in the dot).
+    inv_rms = tl.where(row_mask, tl.rsqrt(tl.sum(sq, axis=1) / L + eps), 0.0)
+
+    # ---- 2. stream this program's up_w tile over its K range.
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < H
+    up_rows = up_ptr + cols.to(tl.int64)[:, None] * up_stride
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, L)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < L
+        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        normed = x.to(tl.float32) * inv_rms[:, None]
+        if WEIGHT_IN_FP32:
+            h = normed * w[None, :]
+        else:
+            # The eager graph rounds the normalized row to the input dtype before weighting.
+            h = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+        # The GEMM input the reference hands cuBLAS: h in up_w's dtype.
+        a = h.to(up_ptr.dtype.element_ty)
+        b = tl.load(up_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)  # 16-bit operands, fp32 accumulation
+
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    # ---- 3. epilogue.
+    if SPLIT_K == 1:
+        _store_out(acc, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, out_mask)
+    else:
+        tile = rows64[:, None] * H + cols[None, :]
+        split_stride = SPLIT_STRIDE.to(tl.int64)
+        tl.store(ws_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
+        if GPU_FENCE:
+            _fence_gpu()
+        tl.debug_barrier()  # every thread has stored (and fenced) before the one arrival
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last program of this column tile
+            if GPU_FENCE:
+                _fence_gpu()
+            tl.debug_barrier()
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # split order: deterministic
+                # .cg: read L2 (where the other SMs' stores are), never a stale L1 line.
+                total += tl.load(ws_ptr + s * split_stride + tile, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            _store_out(total, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, out_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # next launch
+
+
+# ---------------------------------------------------------------------- launch options
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launch shape. ``block_n``/``block_k``: output columns / L columns per main-loop
+    step of a program; ``norm_block_k``: L columns per norm-prologue step (all powers of
+    two >= 16); ``split_k``: programs per column tile (>= 1); ``num_warps``/``num_stages``:
+    Triton's."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int
+    norm_block_k: int
+
+
+_num_sms_cache: dict[int, int] = {}
+
+#: SMs assumed where there is no GPU to ask (the interpreter): an H200's.
+_DEFAULT_SMS = 132
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _num_sms_cache:
+        _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _num_sms_cache[index]
+
+
+def _block_m(tokens: int) -> int:
+    """Rows of a program's tiles: T padded to a power of two >= 16 (``tl.dot``'s minimum)."""
+    return max(16, triton.next_power_of_2(tokens))
+
+
+def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype,
+                       num_sms: int = _DEFAULT_SMS) -> LaunchConfig:
+    """The default launch shape for a ``[tokens, latent] -> [tokens, hidden]`` tail.
+
+    Reasoning (to be confirmed by ``--sweep`` on the GPU): the op streams ``up_w`` once,
+    so the goal is every SM busy with enough bytes in flight. ``block_n`` is the widest
+    of 64/32/16 that still gives at least one column tile per SM (H = 7168 on 132 SMs:
+    32 -> 224 programs); smaller ``H`` falls back to split-K to reach ~one program per SM.
+    ``block_k`` 256 for 16-bit weights (a 512-byte contiguous run per weight row per
+    step), 64 for fp32 (its dot runs on FMA units, not tensor cores). Four stages keep
+    three weight tiles in flight per program. ``norm_block_k``: prologue tiles of 8K
+    elements (64 fp32 accumulators per thread at 4 warps): 7 steps over L = 3584 at T <= 16.
+    """
+    two_byte = dtype in (torch.bfloat16, torch.float16)
+    l_pow2 = max(16, triton.next_power_of_2(latent))
+    block_k = min(256 if two_byte else 64, l_pow2)
+    norm_block_k = min(max(16, 8192 // _block_m(tokens)), l_pow2)
+    block_n = 16
+    for bn in (64, 32):
+        if cdiv(hidden, bn) >= num_sms:
+            block_n = bn
+            break
+    tiles = cdiv(hidden, block_n)
+    split_k = 1
+    if tiles < num_sms:
+        split_k = max(1, min(8, cdiv(num_sms, tiles), cdiv(latent, block_k)))
+    return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4,
+                        num_stages=4 if two_byte else 3, split_k=split_k,
+                        norm_block_k=norm_block_k)
+
+
+def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
+                  high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value == 0:
+        return  # 0: the heuristic's choice
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be 0 (automatic) or in [{low}, {high}], got {value}")
+    if power_of_two and value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+
+
+def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
+                    num_stages=0, split_k=0, norm_block_k=0) -> LaunchConfig:
+    _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
+    _check_option("block_k", block_k, power_of_two=True, low=16, high=1024)
+    _check_option("norm_block_k", norm_block_k, power_of_two=True, low=16, high=8192)
+    _check_option("num_warps", num_warps, power_of_two=True, low=1, high=16)
+    _check_option("num_stages", num_stages, low=1, high=8)
+    _check_option("split_k", split_k, low=1, high=64)
+    auto = pick_launch_config(tokens, hidden, latent, dtype, _num_sms(device))
+    block_k = block_k or auto.block_k
+    # No empty splits: split_k as the number of K ranges of ceil(L / split_k) columns.
+    k_blocks = cdiv(latent, block_k)
+    split = split_k or auto.split_k
+    split = cdiv(k_blocks, cdiv(k_blocks, split))
+    return LaunchConfig(block_n=block_n or auto.block_n, block_k=block_k,
+                        num_warps=num_warps or auto.num_warps,
+                        num_stages=num_stages or auto.num_stages, split_k=split,
+                        norm_block_k=norm_block_k or auto.norm_block_k)
+
+
+# ---------------------------------------------------------------------- arguments
+
+
+def _is_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_moe_tail_kernel, InterpretedFunction)
+
+
+def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32=False) -> None:
+    """Validate a direct kernel call; TypeError/ValueError naming the argument.
+
+    ``routed_latent [T, L]`` and ``shared [T, H]`` (any row strides, last dim contiguous),
+    ``norm_w [L]`` contiguous, ``up_w [H, L]`` (any row stride, last dim contiguous),
+    ``0 <= T <= MAX_TOKENS``, one device, and the normed latent's dtype
+    (``rms_norm_out_dtype``) equal to ``up_w``'s and ``shared``'s -- the reference's GEMM
+    and add take no mixed dtypes either. Also that the kernel can run on the device
+    (RuntimeError otherwise).
+    """
+    for name, t in (("routed_latent", routed_latent), ("shared", shared), ("norm_w", norm_w),
+                    ("up_w", up_w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    if not isinstance(weight_in_fp32, bool):
+        raise TypeError(f"weight_in_fp32 must be a bool, got {type(weight_in_fp32).__name__}")
+    for name, t, dims in (("routed_latent", routed_latent, "[T, L]"), ("shared", shared, "[T, H]"),
+                          ("up_w", up_w, "[H, L]")):
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D {dims}, got shape {tuple(t.shape)}")
+    if norm_w.dim() != 1:
+        raise ValueError(f"norm_w must be 1-D [L], got shape {tuple(norm_w.shape)}")
+    tokens, latent = routed_latent.shape
+    hidden = up_w.shape[0]
+    if latent == 0:
+        raise ValueError("routed_latent rows must not be empty (L = 0)")
+    if hidden == 0:
+        raise ValueError("up_w has no rows (H = 0)")
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"routed_latent has T={tokens} rows; the fused tail kernel takes at "
+                         f"most {MAX_TOKENS}")
+    if norm_w.shape[0] != latent:
+        raise ValueError(f"norm_w has {norm_w.shape[0]} elements but routed_latent rows are "
+                         f"{latent} wide")
+    if up_w.shape[1] != latent:
+        raise ValueError(f"up_w is {tuple(up_w.shape)} but routed_latent rows are {latent} "
+                         f"wide (up_w must be [H, L={latent}])")
+    if tuple(shared.shape) != (tokens, hidden):
+        raise ValueError(f"shared must be [T={tokens}, H={hidden}], got {tuple(shared.shape)}")
+    for name, t in (("routed_latent", routed_latent), ("shared", shared), ("up_w", up_w)):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got stride {t.stride(1)}")
+    if latent > 1 and norm_w.stride(0) != 1:
+        raise ValueError(f"norm_w must be contiguous, got stride {norm_w.stride(0)}")
+    for name, t in (("routed_latent", routed_latent), ("norm_w", norm_w)):
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    from k3fusion.reference import rms_norm_out_dtype
+
+    normed = rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32)
+    if not normed == up_w.dtype == shared.dtype:
+        raise TypeError(
+            f"dtypes must agree: rms_norm(routed_latent {routed_latent.dtype}, norm_w "
+            f"{norm_w.dtype}, weight_in_fp32={weight_in_fp32}) gives {normed}, up_w is "
+            f"{up_w.dtype}, shared is {shared.dtype}")
+    for name, t in (("shared", shared), ("norm_w", norm_w), ("up_w", up_w)):
+        if t.device != routed_latent.device:
+            raise ValueError(f"{name} is on {t.device} but routed_latent is on "
+                             f"{routed_latent.device}")
+    device = routed_latent.device
+    if device.type == "cuda" or (device.type == "cpu" and _is_interpreted()):
+        return
+    if device.type == "cpu" and interpreter_enabled():
+        raise RuntimeError("TRITON_INTERPRET=1 was set after k3fusion.kernels.moe_tail was "
+                           "imported; set it before importing k3fusion to run the kernel on CPU")
+    raise RuntimeError(f"the fused tail kernel runs on CUDA (or on CPU with "
+                       f"TRITON_INTERPRET=1), not on {device.type}")
+
+
+# ---------------------------------------------------------------------- launch
+
+
+_locks: dict[tuple, torch.Tensor] = {}
+
+
+def _lock_buffer(device: torch.device, tiles: int) -> torch.Tensor:
+    """This device and stream's split-K arrival counters (int32, all 0 between launches)."""
+    if device.type == "cuda":
+        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    else:
+        key = (None, 0)
+    buf = _locks.get(key)
+    if buf is None or buf.numel() < tiles:
+        # Allocated inside a CUDA-graph capture, the zeroing is part of the graph; every
+        # launch leaves the counters at 0 again anyway.
+        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _locks[key] = buf
+    return buf
+
+
+def latent_moe_tail_fused(
+    routed_latent: torch.Tensor,
+    shared: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    up_w: torch.Tensor,
+    *,
+    weight_in_fp32: bool = False,
+    block_n: int = 0,
+    block_k: int = 0,
+    num_warps: int = 0,
+    num_stages: int = 0,
+    split_k: int = 0,
+    norm_block_k: int = 0,
+) -> torch.Tensor:
+    """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
+    launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype.
+
+    Inputs as :func:`check_fused_tail_args` says (validated before launch; never
+    modified). Launch options of 0 take :func:`pick_launch_config`'s choice.
+    """
+    check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32)
+    tokens, latent = routed_latent.shape
+    hidden = up_w.shape[0]
+    cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
+                          block_k, num_warps, num_stages, split_k, norm_block_k)
+    out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
+    if tokens == 0:
+        return out
+    interpreted = routed_latent.device.type == "cpu"
+    tiles = cdiv(hidden, cfg.block_n)
+    k_per_split = cdiv(cdiv(latent, cfg.block_k), cfg.split_k) * cfg.block_k
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, tokens, hidden), dtype=torch.float32, device=up_w.device)
+        lock = _lock_buffer(up_w.device, tiles)
+    else:
+        ws = lock = out  # never read
+    _moe_tail_kernel[(tiles, cfg.split_k)](
+        routed_latent, routed_latent.stride(0),
+        norm_w,
+        up_w, up_w.stride(0),
+        shared, shared.stride(0),
+        out, out.stride(0),
+        ws, lock,
+        tokens, latent, hidden,
+        float(eps),
+        k_per_split,
+        tokens * hidden,
+        BLOCK_M=_block_m(tokens),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        NORM_BLOCK_K=cfg.norm_block_k,
+        SPLIT_K=cfg.split_k,
+        WEIGHT_IN_FP32=bool(weight_in_fp32),
+        DOT_IN_FP32=interpreted or up_w.dtype == torch.float32,
+        GPU_FENCE=not interpreted,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,567 @@
+"""The fused small-T latent-MoE tail kernel (``k3fusion.kernels.moe_tail``) and its
+``TAIL_FUSION`` registration, against ``k3fusion.reference``.
+
+On a CPU-only machine the kernel runs in Triton's interpreter (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1`` before k3fusion is imported); on a CUDA machine the same property
+tests run on the GPU, and the tests marked ``cuda`` add Kimi-K3's real sizes, the tier
+running through ``k3fusion.moe_tail`` / the custom op / a compiled graph, and CUDA-graph
+replay of the split-K form.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import k3fusion
+from _kernel_paths import spy_on_launcher
+from _tolerances import assert_matches_reference, dual_norm_tolerance, ulp
+from k3fusion import moe_tail, reference
+from k3fusion.config import FusionConfig
+from k3fusion.kernels import moe_tail as kernel_mod
+from k3fusion.kernels.moe_tail import MAX_TOKENS, latent_moe_tail_fused as launch
+from k3fusion.moe_tail import Tier, TierUnavailableError
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter truncates fp32 -> bf16 casts (see _tolerances.dual_norm_tolerance).
+INTERPRETED = DEVICE == "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+# ============================================================================ the bound
+
+
+def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool):
+    """``(reference, per-element bound)`` for the kernel's output (float64, on the CPU).
+
+    Kernel: ``K = rnd(y')``, ``y' = s + P'`` -- one rounding of the fp32 sum of the shared
+    value and the fp32-accumulated GEMM ``P'`` of its own normalized tile ``h'``.
+    Reference (the spec): ``R = rne(s + rne(P))`` -- the GEMM output ``P`` of ``h`` is
+    rounded to the output dtype first, then the sum. With ``ulp`` that dtype's spacing,
+
+        |y' - R| <= ulp(R)/2 + E,   E = ulp(rne(P))/2 + |P' - P|
+
+    (the reference's two roundings), where ``|P' - P|`` is at most
+
+    * the normalized tile: ``|h' - h| <= c ulp(h)`` per element, ``c`` the dual-norm
+      kernel's bound for the same formulation (``dual_norm_tolerance``: 0 or 1 ulp on a
+      GPU, where both round to nearest from fp32 values a few fp32 ulps apart; up to 3
+      where the interpreter truncates bf16), carried through the GEMM as
+      ``(c ulp(h)) @ |up_w|^T``;
+    * fp32 accumulation in different orders (the kernel's tile order vs the reference
+      GEMM's; products exact for 16-bit operands, one fp32 rounding each for fp32):
+      ``L 2^-24 (|h| @ |up_w|^T)`` per side, and the kernel's fp32 ``s + acc``: together
+      ``(2L + 1) 2^-24 (|s| + |h| @ |up_w|^T)``.
+
+    The kernel's own rounding: ``|K - y'| <= r ulp(y')`` (``r`` = 1/2 rounding to
+    nearest, 1 where the interpreter truncates bf16), and ``ulp(y') <= 2 max(ulp(R),
+    ulp(|y' - R|)) <= 2 ulp(R) + 2^(1-m) |y' - R|`` (``m`` mantissa bits). So
+
+        |K - R| <= (2r + (1 + d)/2) ulp(R) + (1 + d) E,   d = 2^(1-m) r,
+
+    i.e. about 1.5 output ulps (2.5 truncating) plus half an ulp of the GEMM output: a
+    bf16 rounding of the output explains it; the other terms are ~2^-16 of an output ulp
+    on a GPU, and the tile term is what the interpreter's truncation costs. Measured
+    (interpreter, 1200 random cases): up to ~0.97 of the bound with bf16 inputs (the
+    tile term is nearly attained, as the dual norm's bound is), 0.66 fp16, 0.17 fp32. A
+    missing or doubled shared add, a wrong column, eps, split or weight is off by far
+    more (and the formulation is pinned exactly by the selection-matrix test below).
+    """
+    # The spec evaluated on the CPU (fp32-accumulated GEMMs; cuBLAS may reduce bf16
+    # partial sums in bf16, which this bound does not cover).
+    x, s, w, up = (t.cpu() for t in (x, s, w, up))
+    ref = reference.latent_moe_tail(x, s, w, eps, up, None, weight_in_fp32)
+    h = reference.rms_norm(x, w, eps, weight_in_fp32)
+    p = h @ up.T
+    c_h, h_ulp_dtype = dual_norm_tolerance(x.dtype, w.dtype, weight_in_fp32,
+                                           bf16_casts_truncate=truncating)
+    cpu = dict(device="cpu", dtype=torch.float64)
+    up_abs = up.to(**cpu).abs()
+    mag = h.to(**cpu).abs() @ up_abs.T
+    tile = (c_h * ulp(h, h_ulp_dtype)) @ up_abs.T
+    accumulation = (2 * x.shape[-1] + 1) * 2.0**-24 * (mag + s.to(**cpu).abs())
+    e = 0.5 * ulp(p) + tile + accumulation
+    r = 1.0 if truncating and up.dtype == torch.bfloat16 else 0.5
+    d = 2.0 ** (1 - MANTISSA_BITS[up.dtype]) * r
+    bound = (2 * r + (1 + d) / 2) * ulp(ref) + (1 + d) * e
+    return ref, bound
+
+
+def assert_within(got, ref, bound, msg=""):
+    assert got.shape == ref.shape, f"{msg}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert got.dtype == ref.dtype, f"{msg}: dtype {got.dtype} != {ref.dtype}"
+    g = got.detach().to("cpu", torch.float64)
+    r = ref.detach().to("cpu", torch.float64)
+    assert torch.equal(g.isnan(), r.isnan()), f"{msg}: NaN positions differ"
+    err = torch.where(r.isnan(), torch.zeros_like(g), (g - r).abs())
+    bad = ~(err <= bound) & ~r.isnan()  # a NaN reference row has a NaN bound
+    if bad.any():
+        ratio = torch.where(bad, err / bound, torch.zeros_like(err))
+        i = tuple(int(v) for v in torch.unravel_index(ratio.argmax(), ratio.shape))
+        raise AssertionError(
+            f"{msg}: {int(bad.sum())} of {bad.numel()} elements beyond the bound; worst at "
+            f"{list(i)}: got {g[i].item()!r}, reference {r[i].item()!r}, |err| "
+            f"{err[i].item():.3e} = {ratio[i].item():.2f} x bound {bound[i].item():.3e}")
+
+
+# ============================================================================ cases
+
+
+@dataclass(frozen=True)
+class Case:
+    tokens: int
+    latent: int
+    hidden: int
+    x_dtype: torch.dtype
+    w_fp32: bool
+    weight_in_fp32: bool
+    eps: float
+    log2_scale: int   # routed ~ N(0, 1) * 2**log2_scale (small ones make eps matter)
+    x_pad: int        # routed/shared/up_w are the first columns of wider rows
+    s_pad: int
+    up_pad: int
+    zero_row: bool    # one all-zero routed row (eps = 0: NaN, as in the reference)
+
+    @property
+    def w_dtype(self):
+        return torch.float32 if self.w_fp32 else self.x_dtype
+
+    @property
+    def out_dtype(self):
+        # The GEMM input's dtype; up_w and shared must have it (no mixed-dtype GEMM/add).
+        return reference.rms_norm_out_dtype(self.x_dtype, self.w_dtype, self.weight_in_fp32)
+
+
+TOKENS = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 7, 15, 16]), st.integers(0, 16))
+LATENTS = st.one_of(st.sampled_from([1, 16, 17, 40, 100, 128, 129, 200]), st.integers(1, 200))
+HIDDENS = st.one_of(st.sampled_from([1, 16, 17, 48, 70]), st.integers(1, 96))
+PADS = st.sampled_from([0, 1, 8, 64])
+
+
+@st.composite
+def cases(draw, tokens=TOKENS) -> Case:
+    return Case(
+        tokens=draw(tokens), latent=draw(LATENTS), hidden=draw(HIDDENS),
+        x_dtype=draw(st.sampled_from(DTYPES)), w_fp32=draw(st.booleans()),
+        weight_in_fp32=draw(st.booleans()),
+        eps=draw(st.sampled_from([0.0, 1e-6, 1e-5, 1e-3, 0.1])),
+        log2_scale=draw(st.sampled_from([-6, 0, 6])),
+        x_pad=draw(PADS), s_pad=draw(PADS), up_pad=draw(st.sampled_from([0, 3, 16])),
+        zero_row=draw(st.booleans()),
+    )
+
+
+LAUNCH = st.fixed_dictionaries({
+    "block_n": st.sampled_from([0, 16, 32]),
+    "block_k": st.sampled_from([0, 16, 32, 64]),
+    "split_k": st.sampled_from([0, 1, 2, 3, 5]),
+    "num_warps": st.sampled_from([0, 2, 4]),
+    "num_stages": st.sampled_from([0, 2]),
+    "norm_block_k": st.sampled_from([0, 16, 64]),
+})
+
+
+def make_inputs(c: Case, seed: int, device: str = DEVICE):
+    """``(routed, shared, norm_w, up_w)``: row views of wider parents (never copied)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(c.tokens, c.latent + c.x_pad, generator=g) * 2.0**c.log2_scale
+    if c.zero_row and c.tokens:
+        x[c.tokens // 2] = 0
+    s = torch.randn(c.tokens, c.hidden + c.s_pad, generator=g)
+    w = torch.rand(c.latent, generator=g) * 2 - 0.5
+    up = torch.randn(c.hidden, c.latent + c.up_pad, generator=g) / math.sqrt(c.latent)
+    x = x.to(device=device, dtype=c.x_dtype)[:, :c.latent]
+    s = s.to(device=device, dtype=c.out_dtype)[:, :c.hidden]
+    w = w.to(device=device, dtype=c.w_dtype)
+    up = up.to(device=device, dtype=c.out_dtype)[:, :c.latent]
+    return x, s, w, up
+
+
+def run_and_check(c: Case, seed: int, launch_opts: dict | None = None, device: str = DEVICE):
+    x, s, w, up = make_inputs(c, seed, device)
+    saved = [t.clone() for t in (x, s, w, up)]
+    y = launch(x, s, w, c.eps, up, weight_in_fp32=c.weight_in_fp32, **(launch_opts or {}))
+    for name, a, b in zip(("routed_latent", "shared", "norm_w", "up_w"), saved, (x, s, w, up)):
+        assert torch.equal(a, b), f"{name} was modified"
+    assert y.is_contiguous() and y.device == x.device
+    ref, bound = tail_tolerance(x, s, w, c.eps, up, c.weight_in_fp32,
+                                truncating=device == "cpu")
+    assert_within(y, ref, bound, f"{c} {launch_opts}")
+    return y
+
+
+# ============================================================================ properties
+
+
+@given(c=cases(), opts=LAUNCH, seed=st.integers(0, 2**31 - 1))
+@example(c=Case(16, 3584 // 28, 96, torch.bfloat16, False, False, 1e-6, 0, 8, 8, 0, False),
+         opts={"split_k": 3, "block_n": 32, "block_k": 32}, seed=0)
+@example(c=Case(1, 1, 1, torch.float32, False, False, 0.0, 0, 0, 0, 0, True),
+         opts={}, seed=1)  # one zero element, eps 0: NaN like the reference
+@example(c=Case(7, 129, 17, torch.float16, True, False, 1e-5, -6, 1, 1, 3, False),
+         opts={"split_k": 5, "block_k": 16}, seed=2)  # fp16 input, fp32 weight: fp32 output
+def test_kernel_matches_reference(c, opts, seed):
+    run_and_check(c, seed, opts)
+
+
+@given(c=cases(tokens=st.sampled_from([1, 3, 16])), seed=st.integers(0, 2**31 - 1))
+def test_normalized_tile_is_formed_as_the_reference_rounds_it(c, seed):
+    """With ``up_w`` a 0/1 selection (row n picks column ``n % L``) and ``shared`` 0 the
+    GEMM is exact, so the output *is* the kernel's normalized tile: it must pass the
+    RMSNorm kernels' own test (``assert_matches_reference``, including the check that
+    cast-then-weight rounds the normalized row to the input dtype before weighting)."""
+    latent = min(c.latent, 64)
+    hidden = latent + c.hidden % 8
+    # (a zero row with eps = 0 is NaN, which assert_matches_reference does not take)
+    c = replace(c, latent=latent, hidden=hidden, zero_row=c.zero_row and c.eps > 0)
+    x, _, w, _ = make_inputs(c, seed)
+    up = torch.zeros(hidden, latent, dtype=c.out_dtype, device=x.device)
+    up[torch.arange(hidden), torch.arange(hidden) % latent] = 1
+    s = torch.zeros(c.tokens, hidden, dtype=c.out_dtype, device=x.device)
+    y = launch(x, s, w, c.eps, up, weight_in_fp32=c.weight_in_fp32)
+    assert_matches_reference(y[:, :latent], x, w, c.eps, c.weight_in_fp32,
+                             bf16_casts_truncate=INTERPRETED, msg=str(c))
+    torch.testing.assert_close(y, y[:, torch.arange(hidden) % latent], rtol=0, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("tokens", [17, 33, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_more_than_16_tokens(tokens, dtype):
+    """Up to MAX_TOKENS rows (BLOCK_M 32 and 64), for a raised fused_tail_max_tokens."""
+    run_and_check(Case(tokens, 72, 40, dtype, False, False, 1e-6, 0, 8, 0, 0, False), tokens)
+
+
+def test_no_tokens():
+    x, s, w, up = make_inputs(Case(0, 40, 24, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0,
+                                   False), 0)
+    y = launch(x, s, w, 1e-6, up)
+    assert y.shape == (0, 24) and y.dtype == torch.bfloat16
+
+
+def test_split_k_is_deterministic_and_leaves_counters_at_zero():
+    c = Case(5, 150, 70, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
+    ys = [run_and_check(c, 3, {"split_k": 4, "block_n": 16, "block_k": 16}) for _ in range(2)]
+    assert torch.equal(ys[0], ys[1])
+    assert kernel_mod._locks and all(int(b.abs().sum()) == 0 for b in kernel_mod._locks.values())
+
+
+def test_launch_config_heuristic():
+    cfg = kernel_mod.pick_launch_config(4, 7168, 3584, torch.bfloat16, 132)
+    assert (cfg.block_n, cfg.split_k) == (32, 1)  # 224 column tiles fill 132 SMs
+    small = kernel_mod.pick_launch_config(4, 512, 3584, torch.bfloat16, 132)
+    assert small.block_n == 16 and small.split_k == 5  # 32 tiles: split K to reach the SMs
+    assert kernel_mod.pick_launch_config(1, 64, 20, torch.float32).block_k == 32
+    # split_k never leaves a split without K blocks
+    r = kernel_mod._resolve_config(4, 64, 100, torch.bfloat16, torch.device("cpu"), 16, 32,
+                                   split_k=8)
+    assert r.split_k == 4 and (r.block_n, r.block_k, r.norm_block_k) == (16, 32, 128)
+    assert kernel_mod.pick_launch_config(16, 7168, 3584, torch.bfloat16).norm_block_k == 512
+    assert kernel_mod.pick_launch_config(64, 7168, 3584, torch.bfloat16).norm_block_k == 128
+
+
+# ============================================================================ bad arguments
+
+
+def _good():
+    return dict(routed_latent=torch.randn(4, 40), shared=torch.randn(4, 24),
+                norm_w=torch.rand(40) + 0.5, eps=1e-6, up_w=torch.randn(24, 40))
+
+
+@pytest.mark.parametrize(
+    "change,exc,match",
+    [
+        (dict(routed_latent=[[1.0]]), TypeError, "routed_latent must be a Tensor"),
+        (dict(up_w=None), TypeError, "up_w must be a Tensor"),
+        (dict(eps="1e-6"), TypeError, "eps must be a float"),
+        (dict(eps=-1.0), ValueError, "eps must be finite"),
+        (dict(eps=float("nan")), ValueError, "eps must be finite"),
+        (dict(weight_in_fp32=1), TypeError, "weight_in_fp32 must be a bool"),
+        (dict(routed_latent=torch.randn(40)), ValueError, "routed_latent must be 2-D"),
+        (dict(shared=torch.randn(1, 4, 24)), ValueError, "shared must be 2-D"),
+        (dict(norm_w=torch.rand(1, 40)), ValueError, "norm_w must be 1-D"),
+        (dict(routed_latent=torch.randn(MAX_TOKENS + 1, 40), shared=torch.randn(MAX_TOKENS + 1, 24)),
+         ValueError, f"T={MAX_TOKENS + 1}.*at most {MAX_TOKENS}"),
+        (dict(norm_w=torch.rand(39)), ValueError, "norm_w has 39"),
+        (dict(up_w=torch.randn(24, 41)), ValueError, "up_w is"),
+        (dict(shared=torch.randn(4, 23)), ValueError, "shared must be"),
+        (dict(shared=torch.randn(3, 24)), ValueError, "shared must be"),
+        (dict(routed_latent=torch.randn(4, 0), norm_w=torch.rand(0), up_w=torch.randn(24, 0)),
+         ValueError, "L = 0"),
+        (dict(up_w=torch.randn(0, 40), shared=torch.randn(4, 0)), ValueError, "H = 0"),
+        (dict(routed_latent=torch.randn(4, 80)[:, ::2]), ValueError, "routed_latent must be contiguous"),
+        (dict(shared=torch.randn(4, 48)[:, ::2]), ValueError, "shared must be contiguous"),
+        (dict(up_w=torch.randn(40, 24).t()), ValueError, "up_w must be contiguous"),
+        (dict(norm_w=torch.rand(80)[::2]), ValueError, "norm_w must be contiguous"),
+        (dict(routed_latent=torch.randn(4, 40, dtype=torch.float64)), TypeError, "routed_latent must be float32"),
+        (dict(norm_w=torch.rand(40).to(torch.int32)), TypeError, "norm_w must be float32"),
+        (dict(up_w=torch.randn(24, 40, dtype=torch.bfloat16)), TypeError, "dtypes must agree"),
+        (dict(shared=torch.randn(4, 24, dtype=torch.float16)), TypeError, "dtypes must agree"),
+        (dict(up_w=torch.randn(24, 40, device="meta")), ValueError, "up_w is on meta"),
+        (dict(block_n=24), ValueError, "block_n must be a power of two"),
+        (dict(block_n=8), ValueError, "block_n must be 0"),
+        (dict(block_k=True), TypeError, "block_k must be an int"),
+        (dict(split_k=-1), ValueError, "split_k must be 0"),
+        (dict(num_warps=3), ValueError, "num_warps must be a power of two"),
+        (dict(num_stages=99), ValueError, "num_stages must be 0"),
+        (dict(norm_block_k=100), ValueError, "norm_block_k must be a power of two"),
+    ],
+)
+def test_argument_errors(change, exc, match):
+    args = _good() | change
+    with pytest.raises(exc, match=match):
+        launch(**args)
+
+
+def test_weight_in_fp32_dtype_rule():
+    """bf16 input, fp32 weight: cast-then-weight gives fp32 (fp32 up_w/shared), the
+    weight-in-fp32 form bf16 (bf16 up_w/shared); the other pairing is refused."""
+    x = torch.randn(2, 40, dtype=torch.bfloat16)
+    w = torch.rand(40) + 0.5
+    s16, up16 = torch.randn(2, 24, dtype=torch.bfloat16), torch.randn(24, 40, dtype=torch.bfloat16)
+    assert launch(x, s16, w, 1e-6, up16, weight_in_fp32=True).dtype == torch.bfloat16
+    assert launch(x, s16.float(), w, 1e-6, up16.float()).dtype == torch.float32
+    with pytest.raises(TypeError, match="weight_in_fp32=False.*gives torch.float32"):
+        launch(x, s16, w, 1e-6, up16)
+
+
+def test_not_launchable_on_other_devices():
+    meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in _good().items()}
+    with pytest.raises(RuntimeError, match="runs on CUDA .*not on meta"):
+        launch(**meta)
+
+
+# ============================================================================ registry / selection
+
+
+def _triton_impl():
+    (impl,) = [i for i in moe_tail.tail_fusion_impls() if i.name == "triton"]
+    return impl
+
+
+def test_triton_impl_is_registered_on_import():
+    impl = _triton_impl()
+    assert impl.device_types == ("cuda",)
+    with pytest.raises(TypeError, match="device_types"):
+        moe_tail.register_tail_fusion(moe_tail.TailFusionImpl("bad", impl.supports, impl.run,
+                                                              "cuda"))
+
+
+def test_cpu_has_no_fused_tail():
+    why = moe_tail.tier_unavailable_reason("tail_fusion", 4, 64, 1, "cpu")
+    assert "'cpu'" in why and "none is registered for 'cpu'" in why and "triton (cuda)" in why
+    assert Tier.TAIL_FUSION not in moe_tail.available_tiers(4, 64, 1, "cpu")
+    assert moe_tail.select_tier(4, 64, 1, "cpu") is Tier.ALLREDUCE_OVERLAP
+    with pytest.raises(TierUnavailableError, match=r"tail_fusion.*'cpu'"):
+        moe_tail.select_tier(4, 64, 1, "cpu", force="tail_fusion")
+    # the CPU call itself runs the replicated form, exactly the reference
+    x, s, w, up = make_inputs(Case(4, 40, 24, torch.float32, False, False, 1e-6, 0, 0, 0, 0,
+                                   False), 0, "cpu")
+    y, tier = moe_tail.run_latent_moe_tail(x, s, w, 1e-6, up)
+    assert tier is Tier.ALLREDUCE_OVERLAP
+    assert torch.equal(y, reference.latent_moe_tail(x, s, w, 1e-6, up))
+
+
+def test_supports_on_a_cuda_device_object():
+    """Selection needs no GPU: a ``torch.device("cuda")`` object is enough to ask."""
+    impl, cuda = _triton_impl(), torch.device("cuda")
+    for t in (1, 2, 7, 16, 17, MAX_TOKENS):
+        assert impl.supports(t, 7168, 1, cuda) is None, t
+    assert "tp=2" in impl.supports(4, 7168, 2, cuda)
+    assert "T=0" in impl.supports(0, 7168, 1, cuda)
+    assert f"T={MAX_TOKENS + 1}" in impl.supports(MAX_TOKENS + 1, 7168, 1, cuda)
+    assert "'cpu'" in impl.supports(4, 7168, 1, torch.device("cpu"))
+
+    assert moe_tail.select_tier(1, 7168, 1, cuda) is Tier.TAIL_FUSION
+    assert moe_tail.select_tier(16, 7168, 1, cuda) is Tier.TAIL_FUSION
+    # selection stops at config.fused_tail_max_tokens (16), not at the kernel's limit
+    assert moe_tail.select_tier(17, 7168, 1, cuda) is Tier.ALLREDUCE_OVERLAP
+    raised = FusionConfig(fused_tail_max_tokens=100)
+    assert moe_tail.select_tier(17, 7168, 1, cuda, raised) is Tier.TAIL_FUSION
+    assert moe_tail.select_tier(MAX_TOKENS + 1, 7168, 1, cuda, raised) is Tier.ALLREDUCE_OVERLAP
+    assert moe_tail.select_tier(0, 7168, 1, cuda) is Tier.ALLREDUCE_OVERLAP
+    assert moe_tail.select_tier(4, 7168, 2, cuda) is Tier.ALLREDUCE_OVERLAP
+    with pytest.raises(TierUnavailableError, match=r"tail_fusion.*triton: tp=2"):
+        moe_tail.select_tier(4, 7168, 2, cuda, force="tail_fusion")
+    with pytest.raises(TierUnavailableError, match=r"triton: T=65"):
+        moe_tail.select_tier(65, 7168, 1, cuda, force="tail_fusion")
+
+
+def test_registered_run_computes_the_tail():
+    """The registry's ``run`` (what the tier calls), here on the interpreted kernel."""
+    c = Case(3, 40, 24, torch.bfloat16, False, True, 1e-5, 0, 8, 8, 0, False)
+    x, s, w, up = make_inputs(c, 5)
+    y = _triton_impl().run(x, s, w, 1e-5, up, None, True)
+    ref, bound = tail_tolerance(x, s, w, 1e-5, up, True, truncating=INTERPRETED)
+    assert_within(y, ref, bound, "registered run")
+
+
+# ============================================================================ CUDA
+
+
+K3_LATENT, K3_HIDDEN = 3584, 7168
+
+
+def _k3_inputs(tokens, dtype=torch.bfloat16, seed=0, hidden=K3_HIDDEN):
+    c = Case(tokens, K3_LATENT, hidden, dtype, False, False, 1e-6, 0, 0, 0, 0, False)
+    return make_inputs(c, seed, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_cuda_k3_sizes(tokens):
+    x, s, w, up = _k3_inputs(tokens)
+    y = launch(x, s, w, 1e-6, up)
+    ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=False)
+    assert_within(y, ref, bound, f"T={tokens}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("opts", [
+    dict(split_k=1, block_n=16), dict(split_k=2, block_n=64), dict(split_k=4, block_n=128),
+    dict(split_k=3, block_n=32, block_k=128, num_warps=8, num_stages=3),
+    dict(block_n=64, block_k=64, num_warps=2, num_stages=5),
+])
+def test_cuda_launch_configs(opts):
+    x, s, w, up = _k3_inputs(4, seed=1)
+    y = launch(x, s, w, 1e-6, up, **opts)
+    ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=False)
+    assert_within(y, ref, bound, str(opts))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("weight_in_fp32", [False, True])
+def test_cuda_fp32_and_weight_in_fp32(weight_in_fp32):
+    run_and_check(Case(5, K3_LATENT, 640, torch.float32, False, weight_in_fp32, 1e-6, 0, 8, 8,
+                       3, False), 4, device="cuda")
+    run_and_check(Case(5, K3_LATENT, 640, torch.bfloat16, True, weight_in_fp32, 1e-6, 0, 8, 8,
+                       3, False), 4, device="cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_tier_runs_the_kernel():
+    for tokens in (1, 16):
+        x, s, w, up = _k3_inputs(tokens, seed=2)
+        with spy_on_launcher("latent_moe_tail_fused", "weight_in_fp32") as calls:
+            y, tier = moe_tail.run_latent_moe_tail(x, s, w, 1e-6, up)
+        assert tier is Tier.TAIL_FUSION and calls == [False]
+        ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=False)
+        assert_within(y, ref, bound, f"tier T={tokens}")
+        with spy_on_launcher("latent_moe_tail_fused", "weight_in_fp32") as calls:
+            y_op = torch.ops.k3fusion.latent_moe_tail(x, s, w, 1e-6, up, None)
+        assert calls == [False] and torch.equal(y_op, y)
+    x, s, w, up = _k3_inputs(17, seed=2)
+    with spy_on_launcher("latent_moe_tail_fused", "weight_in_fp32") as calls:
+        _, tier = moe_tail.run_latent_moe_tail(x, s, w, 1e-6, up)
+    assert tier is not Tier.TAIL_FUSION and calls == []
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_tail_runs_the_kernel():
+    """``backend="k3fusion"``: the tail becomes the op, whose tier at T=4 is the kernel."""
+    import torch._inductor.config as inductor_config
+
+    x, s, w, up = _k3_inputs(4, seed=3, hidden=1024)
+    act = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    # A 0/1 selection: the shared projection is exact whatever GEMM algorithm computes it.
+    down = torch.zeros(1024, 512, device="cuda", dtype=torch.bfloat16)
+    down[torch.arange(1024), torch.arange(1024) % 512] = 1
+
+    def tail(act, down, x, w, up):
+        x32 = x.float()
+        h = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+        return act @ down.T + h @ up.T  # shared = a projection: what the pattern claims
+
+    torch._dynamo.reset()
+    k3fusion.reset_match_counts()
+    with inductor_config.patch(fx_graph_cache=False), torch.no_grad(), \
+            spy_on_launcher("latent_moe_tail_fused", "weight_in_fp32") as calls:
+        y = torch.compile(tail, backend="k3fusion")(act, down, x, w, up)
+    assert k3fusion.match_counts().get("moe_tail") == 1
+    assert calls == [False]
+    shared = act[:, torch.arange(1024) % 512]
+    ref, bound = tail_tolerance(x, shared, w, 1e-6, up, False, truncating=False)
+    assert_within(y, ref, bound, "compiled")
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_split_k():
+    """Split-K counters reset themselves: replays (new inputs each time) stay correct."""
+    x, s, w, up = _k3_inputs(8, seed=4)
+    launch(x, s, w, 1e-6, up, split_k=4)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = launch(x, s, w, 1e-6, up, split_k=4)
+    for seed in (5, 6, 7):
+        x2, s2, _, _ = _k3_inputs(8, seed=seed)
+        x.copy_(x2)
+        s.copy_(s2)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=False)
+        assert_within(y, ref, bound, f"replay {seed}")
+    assert all(int(b.abs().sum()) == 0 for b in kernel_mod._locks.values())
+
+
+# ============================================================================ the benchmark (CPU parts)
+
+
+def _fake_bench_result():
+    row = {"T": 4, "floor_us": 12.0, "input_sets": 3, "eager_us": 30.0, "inductor_us": 21.0,
+           "op_us": 13.5, "kernel_us": 13.0, "op_tier": "tail_fusion", "model_floor_us": 18.9,
+           "model_eager_us": 40.0, "model_inductor_us": 32.0, "model_k3fusion_matches": 1,
+           "model_k3fusion_us": 24.0, "kernel_vs_inductor": 21 / 13, "kernel_of_floor": 12 / 13,
+           "model_k3fusion_vs_inductor": 32 / 24,
+           "sweep": {"times_us": {"n32_k256_p512_s1_w4_st4": 13.0, "n64_k256_p512_s2_w4_st4": 12.6,
+                                  "n128_k256_p512_s4_w8_st5": float("nan")},
+                     "default": "n32_k256_p512_s1_w4_st4", "best": "n64_k256_p512_s2_w4_st4"}}
+    big = {"T": 64, "floor_us": 12.4, "input_sets": 3, "eager_us": 31.0, "inductor_us": 22.0,
+           "op_us": 22.5, "op_tier": "allreduce_overlap", "model_floor_us": 19.0,
+           "model_eager_us": 41.0, "model_inductor_us": 33.0, "model_k3fusion_matches": 1,
+           "model_k3fusion_us": 33.5, "model_k3fusion_vs_inductor": 33 / 33.5}
+    tp = {"T": 512, "input_sets": 1, "replicated_us": 100.0, "tp2_us": 52.0,
+          "tp2_speedup": 100 / 52, "tp4_us": 27.0, "tp4_speedup": 100 / 27}
+    return {"bench": "moe_tail", "latent": 3584, "hidden": 7168, "dtype": "bfloat16",
+            "rows": [row, big], "tp_rows": [tp], "tps": [2, 4, 8], "date": "2026-01-01",
+            "gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0"}
+
+
+def test_bench_markdown_and_plot(tmp_path):
+    from k3fusion.bench import moe_tail as bench
+
+    md = bench.markdown(_fake_bench_result())
+    assert "| 4 | 30.00 | 21.00 | 13.00 | 13.50 (tail_fusion) | 12.00 | 1.62x | 92% |" in md
+    assert "| 64 | 31.00 | 22.00 | - | 22.50 (allreduce_overlap) | 12.40 | - | - |" in md
+    assert "| 4 | 40.00 | 32.00 | 24.00 | 1 | 18.90 | 1.33x |" in md
+    assert "n64_k256_p512_s2_w4_st4 12.60, n32_k256_p512_s1_w4_st4 13.00 | n32_k256_p512_s1_w4_st4 13.00 |" in md
+    assert "| 512 | 100.00 | 52.00 (1.92x) | 27.00 (3.70x) | - (-) |" in md
+    only_sweep = dict(_fake_bench_result(), tp_rows=[],
+                      rows=[{"T": 1, "floor_us": 12.0, "input_sets": 3,
+                             "sweep": _fake_bench_result()["rows"][0]["sweep"]}])
+    md = bench.markdown(only_sweep)
+    assert "sweep" in md and "(a)" not in md and "(b)" not in md
+    pytest.importorskip("matplotlib")
+    bench.plot(_fake_bench_result(), tmp_path / "moe_tail.png")
+    assert (tmp_path / "moe_tail.png").stat().st_size > 0
+
+
+def test_bench_arguments(monkeypatch):
+    from k3fusion.bench import moe_tail as bench
+
+    args = bench.parser().parse_args([])
+    assert (args.tokens, args.tp_tokens, args.tps) == ([1, 4, 8, 16, 32, 64], [512, 4096, 16384],
+                                                       [2, 4, 8])
+    args = bench.parser().parse_args(["--sweep-only", "--tokens", "1", "16", "--tp-tokens"])
+    assert args.sweep_only and args.tokens == [1, 16] and args.tp_tokens == []
+    with pytest.raises(SystemExit, match="--tp-tokens values must be >= 1"):
+        bench.main(["--tp-tokens", "0"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--out", "unused"])
