@@ -96,6 +96,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if count_latent_moe_layers(model):  # one tail per latent-MoE layer
         sites["moe_tail"] = count_latent_moe_layers(model)
+    if config.attn_res:  # each layer's closing prefix + mlp_out, folded into the next site
+        sites["attn_res_delta_handoff"] = config.num_layers
     fusions = [{"fusion": name, "sites": n, "matches": counts.get(name, 0)}
                for name, n in sites.items()]
     errors = {"inductor": _max_rel_err(default_out, eager_out),
@@ -115,9 +117,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _print_table(report: dict[str, Any]) -> None:
     print(f"k3fusion {report['k3fusion']} on {report['model']}, {report['dtype']}, "
           f"{report['device']}, input {report['input_shape']}, torch {report['torch']}")
-    print(f"{'fusion':<14}{'sites':>7}{'matches':>9}")
+    print(f"{'fusion':<24}{'sites':>7}{'matches':>9}")
     for f in report["fusions"]:
-        print(f"{f['fusion']:<14}{f['sites']:>7}{f['matches']:>9}")
+        print(f"{f['fusion']:<24}{f['sites']:>7}{f['matches']:>9}")
     errs = report["max_rel_err_vs_eager"]
     print(f"max |out - eager| / max|eager|: inductor {errs['inductor']:.2e}, "
           f"k3fusion {errs['k3fusion']:.2e} (bound {report['tolerance']:.0e})")

@@ -57,7 +57,7 @@ class K3FusionPass(CustomGraphPass):
         return self._config if self._config is not None else get_config()
 
     def __call__(self, graph: Graph) -> None:
-        from k3fusion.patterns.attn_res import FUSION_NAME as ATTN_RES, fuse_attn_res
+        from k3fusion.patterns.attn_res import FUSION_NAME as ATTN_RES, HANDOFF_NAME, fuse_attn_res
         from k3fusion.patterns.moe_tail import FUSION_NAME as MOE_TAIL, fuse_moe_tail
         from k3fusion.patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm
         from k3fusion.patterns.rms_norm import find_rms_norms
@@ -70,7 +70,9 @@ class K3FusionPass(CustomGraphPass):
         tail_misses: list[str] = []
         # AttnRes first: it claims its key norms and the norm after it (the output norm).
         if config.attn_res:
-            counts[ATTN_RES], norms, misses = fuse_attn_res(graph, norms)
+            counts[ATTN_RES], handoffs, norms, misses = fuse_attn_res(graph, norms)
+            if handoffs:  # a layer's closing add folded into the next site (whole-model graphs)
+                counts[HANDOFF_NAME] = handoffs
         # The latent-MoE tail claims its latent norm (folded into the tail op).
         if config.moe_tail:
             n_tail, norms, tail_misses = fuse_moe_tail(graph, norms)

@@ -429,14 +429,10 @@ def _rewrite(graph: Graph, plan: _Rewrite, stacks: _BlockStacks) -> Node:
     return node
 
 
-def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RMSNormMatch], list[str]]:
-    """Replace every AttnRes site; returns (sites fused, norms still unclaimed, misses).
-
-    Also records the layer hand-offs among the folds (:data:`HANDOFF_NAME`, see
-    :func:`count_handoffs`) where any site was fused.
-    """
-    from k3fusion.counters import record_matches
-
+def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]
+                  ) -> tuple[int, int, list[RMSNormMatch], list[str]]:
+    """Replace every AttnRes site; returns (sites fused, layer hand-offs among their
+    folded deltas -- see :func:`count_handoffs` --, norms still unclaimed, misses)."""
     importlib.import_module("k3fusion.ops")  # registers torch.ops.k3fusion.*
 
     claimed: set[Node] = set()
@@ -461,10 +457,9 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
         sites[node] = plan.delta
         claimed |= plan.erase  # the key norm and the output norm are part of the site now
         fused += 1
-    if fused:
-        record_matches(HANDOFF_NAME, count_handoffs(graph, sites))
+    handoffs = count_handoffs(graph, sites) if fused else 0
     left = [m for m in norms if m.out not in claimed]
-    return fused, left, misses
+    return fused, handoffs, left, misses
 
 
 def _longest_chains(graph: Graph, sites) -> tuple[dict[Node, int], dict[Node, int], dict[Node, int]]:

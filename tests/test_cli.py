@@ -15,8 +15,9 @@ def test_main_job_reports_every_fusion_as_json(capsys):
     assert main(["--json", "--dtype", "fp32", "--tokens", "5", "--batch", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     fusions = {f["fusion"]: f for f in report["fusions"]}
-    assert set(fusions) == {"qkv_rmsnorm", "attn_res"}
+    assert set(fusions) == {"qkv_rmsnorm", "attn_res", "attn_res_delta_handoff"}
     assert all(f["matches"] == f["sites"] > 0 for f in fusions.values())
+    assert fusions["attn_res_delta_handoff"]["sites"] == 2  # the tiny model's two layers
     assert report["ok"] and report["max_rel_err_vs_eager"]["k3fusion"] <= report["tolerance"]
 
 
