@@ -91,14 +91,15 @@ DECODE_SOURCES_PER_TILE = 4
 #: Sources per tile of the row kernel's prefill shape.
 PREFILL_SOURCES_PER_TILE = 2
 #: Up to this many tokens the split kernel runs. Measured on the H200 (bf16, H = 7168, 9
-#: sources, docs/benchmarks.md): split 6.36 us vs row 7.10 at T = 1, 6.60 vs 7.57 at 8;
+#: sources, docs/benchmarks.md): split 6.50 us vs row 7.10 at T = 1, 6.69 vs 7.57 at 8;
 #: the row kernel wins from T = 32 on (9.16 vs 9.31), by far from 128 on (the barrier
 #: exchanges cost each token ~2 us, which many tokens no longer hide).
 SPLIT_MAX_TOKENS = 16
 #: Columns per program of the split kernel (14 programs per 7168-wide token) ...
 SPLIT_CHUNK = 512
-#: ... and warps: 512 x 2 was best or within 0.4 us of the best at T = 1 and 8.
-SPLIT_NUM_WARPS = 2
+#: ... and warps: 512 x 4 was within 0.6 us of the best at T = 1 and 8 (512 x 2:
+#: 0.1 us faster, and the shape at which the barrier's ordering bug showed up first).
+SPLIT_NUM_WARPS = 4
 #: Most programs one split launch may have (forced launches included): a token's programs
 #: must be resident together while they wait at the barrier; in-order dispatch keeps that
 #: true for any grid, this bound keeps it far from the limits of the counter buffer.
@@ -106,7 +107,7 @@ SPLIT_MAX_PROGRAMS = 1 << 20
 #: Most sources (blocks + prefix) the split kernel holds in registers at once.
 SPLIT_MAX_SOURCES = 32
 #: What the programs of one token add to its barrier counter per launch (> any grid dim).
-SYNC_EPOCH = tl.constexpr(1 << 32)
+SYNC_EPOCH = tl.constexpr(1 << 16)
 
 
 # ---------------------------------------------------------------------- shared pieces
@@ -225,18 +226,26 @@ def _attn_res_kernel(
 def _token_barrier(counter_ptr, chunk, N_CHUNKS: tl.constexpr, EPOCH: tl.constexpr):
     """Wait until every program of this token has arrived (see the module docstring).
 
-    The pattern of CUDA's cooperative grid sync: a CTA barrier (every thread's partial-sum
-    stores are ordered before it), then one thread's *release* atomic at GPU scope, which
-    is cumulative -- it publishes what the barrier ordered, not only its own thread's
-    stores; one thread polls with *acquire* loads, and a CTA barrier hands that on."""
+    Every thread fences its own partial-sum stores at GPU scope, a CTA barrier, then one
+    thread's acq_rel atomic arrives; one thread polls with acquire loads, and a CTA
+    barrier hands that on. Measured: without the per-thread fence (a CTA barrier and a
+    release atomic alone) programs read stale partial sums at T = 128 and 1000 on the
+    H200 -- the GPU test comparing one launch with the phased launches catches it."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
     tl.debug_barrier()
     add = 1 + (chunk == 0).to(tl.int64) * (EPOCH - N_CHUNKS)
-    old = tl.atomic_add(counter_ptr, add, sem="release", scope="gpu")
+    old = tl.atomic_add(counter_ptr, add, sem="acq_rel", scope="gpu")
     target = (old // EPOCH + 1) * EPOCH
     seen = old + add
     while seen < target:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+    # 0 -- the counter stays far below 2**62 (2**45 launches per token slot) -- but not
+    # provably so: the caller adds it to the addresses of the partial sums it reads next,
+    # so no compiler pass can hoist those loads above the wait (on the H200, stale
+    # partials were read at 2 warps per program before this dependency existed).
+    return (seen >> 62).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
@@ -318,10 +327,11 @@ def _attn_res_split_kernel(
                      * tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
                 tl.store(rec_ptr + srcs, tl.sum(x * g[None, :], axis=1))
                 tl.store(rec_ptr + S_PAD + srcs, tl.sum(x * x, axis=1))
+            after = 0
             if PHASE == 0:
-                _token_barrier(counter, chunk, N_CHUNKS, SYNC_EPOCH)
+                after = _token_barrier(counter, chunk, N_CHUNKS, SYNC_EPOCH)
             if PHASE != 1:
-                recs = token_recs + ks[:, None] * REC + srcs[None, :]
+                recs = token_recs + after + ks[:, None] * REC + srcs[None, :]
                 dots = tl.sum(tl.load(recs, mask=kmask[:, None], other=0.0,
                                       cache_modifier=".cg"), axis=0)
                 sumsq = tl.sum(tl.load(recs + S_PAD, mask=kmask[:, None], other=0.0,
@@ -338,10 +348,11 @@ def _attn_res_split_kernel(
                 if PHASE != 3:
                     y = mixed.to(tl.float32)
                     tl.store(rec_ptr + 2 * S_PAD, tl.sum(y * y, axis=0))
+                after2 = 0
                 if PHASE == 0:
-                    _token_barrier(counter, chunk, N_CHUNKS, SYNC_EPOCH)
+                    after2 = _token_barrier(counter, chunk, N_CHUNKS, SYNC_EPOCH)
                 if PHASE != 2:
-                    sq = tl.sum(tl.load(token_recs + ks * REC + 2 * S_PAD, mask=kmask,
+                    sq = tl.sum(tl.load(token_recs + after2 + ks * REC + 2 * S_PAD, mask=kmask,
                                         other=0.0, cache_modifier=".cg"), axis=0)
                     _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
                                   out_norm_w_ptr + cols, tl.rsqrt(sq / H + out_eps),
@@ -513,6 +524,9 @@ def attn_res(
                                **flags)
         return
     n_chunks = cdiv(H, shape.chunk)
+    if n_chunks >= SYNC_EPOCH:
+        raise ValueError(f"{n_chunks} programs per token: at most {SYNC_EPOCH.value - 1} "
+                         f"(use a wider chunk)")
     n_chunks_pad = triton.next_power_of_2(n_chunks)
     # Bucketed so the block counts of a model (0..8 for Kimi-K3) share a few variants,
     # all compiled in the first step; num_blocks itself stays a runtime argument.

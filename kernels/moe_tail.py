@@ -226,27 +226,22 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
                        num_sms: int = _DEFAULT_SMS) -> LaunchConfig:
     """The default launch shape for a ``[tokens, latent] -> [tokens, hidden]`` tail.
 
-    Reasoning (to be confirmed by ``--sweep`` on the GPU): the op streams ``up_w`` once,
-    so the goal is every SM busy with enough bytes in flight. ``block_n`` is the widest
-    of 64/32/16 that still gives at least one column tile per SM (H = 7168 on 132 SMs:
-    32 -> 224 programs); smaller ``H`` falls back to split-K to reach ~one program per SM.
-    ``block_k`` 256 for 16-bit weights (a 512-byte contiguous run per weight row per
-    step), 64 for fp32 (its dot runs on FMA units, not tensor cores). Four stages keep
-    three weight tiles in flight per program. ``norm_block_k``: prologue tiles of 8K
-    elements (64 fp32 accumulators per thread at 4 warps): 7 steps over L = 3584 at T <= 16.
+    Measured (H200, bf16, L = 3584, H = 7168; ``--sweep``, docs/benchmarks.md): 64-column
+    tiles (112 programs) without split-K, ``block_k`` 256, 4 warps, 4 stages were fastest
+    at T = 1, 8 and 16 (18.3-19.1 us against 23.7-24.2 for 32-column tiles); ``norm_block_k``
+    512 there (8K prologue elements: 64 fp32 accumulators per thread at 4 warps). Wider tiles mean fewer programs, each re-reading the token rows in its prologue
+    once for more weight columns, and more weight bytes in flight per program. Below 64
+    tiles (small ``H``) split-K fills the SMs. fp32 weights: ``block_k`` 64 (their dot
+    runs on FMA units, not tensor cores), 3 stages.
     """
     two_byte = dtype in (torch.bfloat16, torch.float16)
     l_pow2 = max(16, triton.next_power_of_2(latent))
     block_k = min(256 if two_byte else 64, l_pow2)
-    norm_block_k = min(max(16, 8192 // _block_m(tokens)), l_pow2)
-    block_n = 16
-    for bn in (64, 32):
-        if cdiv(hidden, bn) >= num_sms:
-            block_n = bn
-            break
+    norm_block_k = min(max(16, 8192 // _block_m(tokens)), l_pow2)  # 64 fp32 per thread
+    block_n = 64
     tiles = cdiv(hidden, block_n)
     split_k = 1
-    if tiles < num_sms:
+    if tiles < 64:
         split_k = max(1, min(8, cdiv(num_sms, tiles), cdiv(latent, block_k)))
     return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4,
                         num_stages=4 if two_byte else 3, split_k=split_k,

@@ -436,7 +436,8 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]
     importlib.import_module("k3fusion.ops")  # registers torch.ops.k3fusion.*
 
     claimed: set[Node] = set()
-    by_input = {m.x: m for m in norms}
+    # Not (yet) norms whose fp32 input lost its 16-bit round trip (RMSNormMatch.x_round).
+    by_input = {m.x: m for m in norms if m.x_round is None}
     stacks = _BlockStacks(graph)
     fused, misses = 0, []
     sites: dict[Node, Node | None] = {}  # every recognized site -> the delta it folded

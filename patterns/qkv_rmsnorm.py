@@ -138,8 +138,10 @@ def fuse_qkv_rmsnorm(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list
     """Replace every q/kv pair among ``norms``; returns (pairs fused, norms left and why)."""
     import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
 
-    pairing = pair_qkv_norms(graph, norms)
-    fused, unpaired = 0, list(pairing.unpaired)
+    rounded = [(m, "fp32 input with a dropped 16-bit round trip (x_round): the pair kernel "
+                   "reads the model dtype") for m in norms if m.x_round is not None]
+    pairing = pair_qkv_norms(graph, [m for m in norms if m.x_round is None])
+    fused, unpaired = 0, rounded + list(pairing.unpaired)
     for a, b in pairing.pairs:
         try:
             _replace_pair(graph, a, b)

@@ -28,6 +28,8 @@ value someone else reads):
 
 from __future__ import annotations
 
+from typing import Optional
+
 from dataclasses import dataclass, field
 from numbers import Real
 
@@ -62,6 +64,12 @@ class RMSNormMatch:
     out: Node
     #: Every node that computes ``out`` from ``x`` and ``weight`` (``out`` included).
     nodes: list[Node] = field(repr=False)
+    #: Set when ``x`` is fp32 but the normalized value is rounded to this 16-bit dtype
+    #: (cast-then-weight): the model wrote ``rms_norm(x.to(x_round))`` and Inductor
+    #: dropped the round trip as a pointless convert (it does on GPUs, e.g. for a latent
+    #: accumulated in fp32). Then ``out = rms_norm(x.to(x_round), weight, eps)`` up to that
+    #: one rounding of the input; a fusion that takes such a norm restores it.
+    x_round: Optional[torch.dtype] = None
 
     @property
     def width(self) -> int:
@@ -172,10 +180,14 @@ def match_rms_norm(rsqrt: Node) -> RMSNormMatch:
     nodes += same_input(operands(normed, rsqrt), x32) + [normed]
 
     step = only_user(normed)
+    x_round = None
     if is_op(step, *_CAST):
         # cast-then-weight: normed.to(x.dtype) * w
         if step.args[1] != x_dtype:
-            raise NoMatch(f"normalized value cast to {step.args[1]}, input is {x_dtype}")
+            if x_dtype != torch.float32 or step.args[1] not in (torch.bfloat16, torch.float16):
+                raise NoMatch(f"normalized value cast to {step.args[1]}, input is {x_dtype}")
+            # An fp32 input whose 16-bit round trip Inductor removed (see x_round).
+            x_round = x_dtype = step.args[1]
         out = only_user(step)
         if not is_op(out, *_MUL):
             raise NoMatch("cast normalized value is not multiplied by a weight")
@@ -207,7 +219,7 @@ def match_rms_norm(rsqrt: Node) -> RMSNormMatch:
         inner, user = leaks[0]
         raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
     return RMSNormMatch(x=x, weight=weight, eps=eps, weight_in_fp32=weight_in_fp32,
-                        out=out, nodes=nodes)
+                        out=out, nodes=nodes, x_round=x_round)
 
 
 def eps_op_args(eps: float | Node) -> tuple[float, Node | None]:

@@ -678,8 +678,9 @@ print(ptx)
 
 def test_split_kernel_barrier_compiles_for_hopper() -> None:
     """The one-launch split kernel (its barriers never run in the interpreter) compiles
-    for sm_90 on any machine, and its PTX holds the barrier: two arrivals as GPU-scope
-    release atomics and two acquire polls of the counter, after CTA barriers."""
+    for sm_90 on any machine, and its PTX holds both barriers: a GPU-scope fence in every
+    thread (without it the H200 read stale partial sums), an acq_rel arrival atomic and
+    an acquire poll of the counter, each after a CTA barrier."""
     import os
     import subprocess
     import sys
@@ -694,9 +695,11 @@ def test_split_kernel_barrier_compiles_for_hopper() -> None:
         pytest.skip("this triton has no ptxas")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.strip() for line in done.stdout.splitlines()]
-    arrivals = [x for x in lines if x.split()[-1:] and "atom.global" in x and ".release" in x
-                and ".gpu" in x and ".add" in x]
+    fences = [x for x in lines if x.startswith("fence.acq_rel.gpu")]
+    arrivals = [x for x in lines if "atom.global" in x and ".acq_rel" in x and ".gpu" in x
+                and ".add" in x]
     polls = [x for x in lines if ("ld.global" in x or "atom.global" in x) and ".acquire" in x]
+    assert len(fences) == 2, fences
     assert len(arrivals) == 2, arrivals
     assert len(polls) == 2, polls
     assert any(x.startswith("bar.sync") for x in lines)

@@ -147,6 +147,47 @@ def test_tail_bf16_dynamic_t_and_other_eps():
     assert tail.args[3] == 1e-5 and tail.args[6] is False  # eps, cast-then-weight
 
 
+def test_tail_whose_fp32_latent_lost_its_round_trip():
+    """The GPU form of a latent accumulated in fp32: the model wrote ``acc.to(bf16)`` and
+    then the norm's ``.float()``; Inductor removes that round trip as a pointless convert
+    on CUDA, so the norm reads fp32 and only its normalized value is cast to bf16. The
+    pass still takes the tail (RMSNormMatch.x_round) and rounds the latent to bf16 again
+    before the op, as the model wrote it: the result is the model's, exactly."""
+    def dropped(acc, x, ws, nw, up):  # what the CUDA post-grad graph computes
+        n = (acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+        return x @ ws.T + (n * nw) @ up.T
+
+    def model(acc, x, ws, nw, up):  # what the model wrote
+        return x @ ws.T + _rms_hf(acc.to(torch.bfloat16), nw) @ up.T
+
+    r, x, ws, nw, up = _inputs(t=5, dtype=torch.bfloat16)
+    acc = r.float() + torch.randn(r.shape, generator=torch.Generator().manual_seed(1)) / 300
+    out, be, n = _fused(dropped, acc, x, ws, nw, up)
+    assert n == 1
+    (tail,) = [t for t in be.graph_after.nodes if t.target is TAIL]
+    cast = tail.args[0]
+    assert cast.target is torch.ops.prims.convert_element_type.default
+    assert cast.args[1] == torch.bfloat16 and cast.args[0].meta["val"].dtype == torch.float32
+    assert count_op(be.graph_after, torch.ops.aten.rsqrt.default) == 0
+    with torch.no_grad():
+        want = TAIL(acc.to(torch.bfloat16), x @ ws.T, nw, 1e-6, up, None, False)
+        assert torch.equal(out, want)
+        torch.testing.assert_close(out, model(acc, x, ws, nw, up), rtol=2e-2, atol=2e-2)
+
+
+def test_fp32_input_rounded_to_another_width_is_no_norm():
+    """Only a 16-bit rounding of an fp32 input is read as a dropped round trip: fp16 input
+    cast to bf16 (or fp32 cast to fp64) stays a near miss, untouched."""
+    def fn(r, x, ws, nw, up):
+        n = (r.float() * torch.rsqrt(r.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+        return x @ ws.T + (n.to(torch.bfloat16) * nw) @ up.T
+
+    r, x, ws, nw, up = _inputs(t=5, dtype=torch.bfloat16)
+    _, be, n = _fused(fn, r.half(), x, ws, nw, up)
+    assert n == 0
+    _unchanged(be)
+
+
 # ============================================================================ graph: near misses
 
 

@@ -391,3 +391,24 @@ def test_equivalent_spellings_recognized(fn):
     _, be = compile_capture(lambda a, b: fn(a, b, 1e-6), x, w, fusion_pass=None)
     _check_recognized(be.graph_before, x, w, eps=1e-6, weight_in_fp32=False, eager=eager,
                       exact=True)
+
+
+def test_fp32_input_with_a_dropped_round_trip_is_recognized_as_such():
+    """An fp32 input whose normalized value is cast to bf16 (cast-then-weight): what a
+    norm of ``acc.to(bf16)`` becomes once Inductor drops the round trip on GPUs. It is
+    recognized with ``x_round = bf16`` -- the rounding a fusion must restore -- and the
+    pass leaves a lone one untouched (only the MoE tail takes such norms)."""
+    def dropped(acc, w, eps):
+        return (acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + eps)).to(w.dtype) * w
+
+    acc, w = _inputs((5, 32), torch.float32, torch.bfloat16)
+    out, be = compile_capture(lambda a, b: dropped(a, b, 1e-6), acc, w)
+    torch.testing.assert_close(out, dropped(acc, w, 1e-6), rtol=0, atol=0)
+    (m,), rejected = find_rms_norms(be.graph_before)
+    assert rejected == [] and m.x_round == torch.bfloat16 and not m.weight_in_fp32
+    assert m.x.meta["val"].dtype == torch.float32
+    assert be.graph_after.python_code("self").src == be.graph_before.python_code("self").src
+    # An ordinary norm has none.
+    (plain,), _ = find_rms_norms(compile_capture(
+        lambda a, b: dropped(a.to(b.dtype).float(), b, 1e-6), acc, w)[1].graph_before)
+    assert plain.x_round is None
