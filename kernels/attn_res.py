@@ -92,9 +92,10 @@ DECODE_SOURCES_PER_TILE = 4
 PREFILL_SOURCES_PER_TILE = 2
 #: Up to this many tokens the split kernel runs. Measured on the H200 (bf16, H = 7168, 9
 #: sources, docs/benchmarks.md): split 6.50 us vs row 7.10 at T = 1, 6.69 vs 7.57 at 8;
-#: the row kernel wins from T = 32 on (9.16 vs 9.31), by far from 128 on (the barrier
-#: exchanges cost each token ~2 us, which many tokens no longer hide).
-SPLIT_MAX_TOKENS = 16
+#: at 16 the split kernel took 9.18 us where the row kernel takes 8.83 at 32 already,
+#: and from 128 on it loses by far (the barrier exchanges cost each token ~2 us, which
+#: many tokens no longer hide).
+SPLIT_MAX_TOKENS = 8
 #: Columns per program of the split kernel (14 programs per 7168-wide token) ...
 SPLIT_CHUNK = 512
 #: ... and warps: 512 x 4 was within 0.6 us of the best at T = 1 and 8 (512 x 2:
