@@ -137,7 +137,12 @@ def test_sweep_on_cpu_writes_table_json_and_plot(tmp_path):
     assert "| decode | 3 |" in md and "| prefill | 4 |" in md and "**NO**" not in md
     assert "| decode | 5 |" in md and "| reused | reused | reused |" in md
     assert json.loads((tmp_path / "decoder.json").read_text())["rows"][3]["T"] == 4
-    assert (tmp_path / "decoder.png").stat().st_size > 0
+    try:  # the plot needs the `bench` extra; the test extra alone (CI) writes none
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (tmp_path / "decoder.png").exists()
+    else:
+        assert (tmp_path / "decoder.png").stat().st_size > 0
 
 
 @pytest.mark.usefixtures("fresh_state")

@@ -7,8 +7,9 @@
   T, other eps, bf16 cast-then-weight) and near misses (a residual ``h + norm(x) @ W.T``,
   a dense-MLP model, Gemma's norm, intermediates read elsewhere) left untouched;
 * the tiny Kimi-K3 with latent MoE (+ AttnRes) through real Inductor (``backend="k3fusion"``);
-* tp=2 over gloo (one spawned pair): a compiled tail equals the eager tail and the pass
-  matched it once per rank; a tail whose reduced routed latent is read elsewhere is refused.
+* tp=2 and tp=4 over gloo (spawned ranks): a compiled tail equals the eager tail and the
+  pass matched it once per rank; a tail whose reduced routed latent is read elsewhere is
+  refused.
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ def test_latent_moe_attn_res_model_real_inductor():
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
-# ============================================================================ tp = 2 (gloo)
+# ============================================================================ tp = 2, 4 (gloo)
 
 
 def _tail_on_rank(rank: int, world: int, group) -> dict:
@@ -323,8 +324,11 @@ def _tail_on_rank(rank: int, world: int, group) -> dict:
     return result
 
 
-def test_tp2_gloo_compiled_tail_equals_eager():
-    results = run_ranks(_tail_on_rank, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_compiled_tail_equals_eager(world):
+    """tp = 2 and 4: on every rank the compiled tail (one match, the group read from the
+    graph) equals the eager tail; a tail whose reduced latent leaks is refused."""
+    results = run_ranks(_tail_on_rank, world)
     for rank, res in enumerate(results):
         assert "error" not in res, f"rank {rank}:\n{res['error']}"
         assert res["compiled_matches"] == 1, res
