@@ -37,6 +37,16 @@ launch (CUDA-graph replays included). No program ever waits, so no residency ass
 is needed. Counters are one buffer per device and stream: launches on one stream are
 serialized, and two streams never share a counter.
 
+**Scale after** (constexpr ``SCALE_AFTER``, launch option ``scale_after``; off by default
+until measured): ``1/rms`` is a per-row factor, so it can scale the fp32 accumulator
+instead of the GEMM input. The prologue disappears -- the main loop sums the squares of
+the token tiles it loads anyway -- and with split-K each split's partial sums of squares
+travel with its partial tile, so split-K can fill every SM (H = 7168: 112 column tiles x
+7 splits). The price: the GEMM input is ``round(x * w)`` where the spec rounds
+``round(x * r) * w`` (cast-then-weight) or ``x * r * w`` -- a 16-bit rounding of each GEMM
+input element apart; the tests bound exactly that. The H200 sweep of the bench includes
+these configurations; until they are measured the default keeps the spec's roundings.
+
 Triton's CPU interpreter (``TRITON_INTERPRET=1``; tests) computes a 16-bit ``tl.dot``
 wrongly, so constexpr ``DOT_IN_FP32`` makes the dot an fp32 one of the already-rounded
 16-bit operands (exact products, fp32 sums: the same math as the tensor-core dot up to
@@ -79,6 +89,12 @@ def _fence_gpu():
 
 
 @triton.jit
+def _inv_rms(sum_sq, row_mask, L, eps):
+    # Padded rows: 0, not rsqrt(eps) (inf when eps == 0, and 0 * inf = NaN).
+    return tl.where(row_mask, tl.rsqrt(sum_sq / L + eps), 0.0)
+
+
+@triton.jit
 def _store_out(acc, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, mask):
     """``y = (acc + shared)`` rounded once to the output dtype."""
     s = tl.load(s_ptr + rows64[:, None] * s_stride + cols[None, :], mask=mask, other=0.0)
@@ -97,6 +113,7 @@ def _moe_tail_kernel(
     s_ptr, s_stride,            # shared [T, H]
     y_ptr, y_stride,            # out [T, H]
     ws_ptr,                     # split-K partials [SPLIT_K, T, H] fp32 (unused if SPLIT_K == 1)
+    sq_ws_ptr,                  # SCALE_AFTER split-K: sums of squares [tiles, SPLIT_K, BLOCK_M]
     lock_ptr,                   # split-K arrival counters [>= cdiv(H, BLOCK_N)] int32
     T, L, H,
     eps,
@@ -107,6 +124,7 @@ def _moe_tail_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
     WEIGHT_IN_FP32: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     GPU_FENCE: tl.constexpr,
@@ -123,14 +141,17 @@ def _moe_tail_kernel(
     # ---- 1. norm prologue: sum of squares over the full row (all of L, whatever split).
     # Pipelined explicitly: a loop without a dot is not pipelined by default, and every
     # step would then wait a full L2 round trip before the weight stream even starts.
-    sq = tl.zeros([BLOCK_M, NORM_BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, L, NORM_BLOCK_K, num_stages=4):
-        ks = k0 + tl.arange(0, NORM_BLOCK_K)
-        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < L)[None, :], other=0.0)
-        x32 = x.to(tl.float32)
-        sq += x32 * x32
-    # Padded rows: 0, not rsqrt(eps) (inf when eps == 0, and 0 * inf = NaN in the dot).
-    inv_rms = tl.where(row_mask, tl.rsqrt(tl.sum(sq, axis=1) / L + eps), 0.0)
+    # SCALE_AFTER skips it: the sums of squares come from the main loop's own tiles.
+    if not SCALE_AFTER:
+        sq = tl.zeros([BLOCK_M, NORM_BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(0, L, NORM_BLOCK_K, num_stages=4):
+            ks = k0 + tl.arange(0, NORM_BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < L)[None, :],
+                        other=0.0)
+            x32 = x.to(tl.float32)
+            sq += x32 * x32
+        # Padded rows: 0, not rsqrt(eps) (inf when eps == 0, and 0 * inf = NaN in the dot).
+        inv_rms = tl.where(row_mask, tl.rsqrt(tl.sum(sq, axis=1) / L + eps), 0.0)
 
     # ---- 2. stream this program's up_w tile over its K range.
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,17 +160,26 @@ def _moe_tail_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, L)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sq_k = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # SCALE_AFTER only
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < L
         x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        normed = x.to(tl.float32) * inv_rms[:, None]
-        if WEIGHT_IN_FP32:
-            h = normed * w[None, :]
+        if SCALE_AFTER:
+            # 1/rms is per row, so it can scale the accumulator instead of the input:
+            # the GEMM input is round(x * w), not the spec's round(round(x * r) * w) --
+            # one 16-bit rounding of the GEMM input apart (the tests bound it).
+            x32 = x.to(tl.float32)
+            sq_k += x32 * x32
+            h = x32 * w[None, :]
         else:
-            # The eager graph rounds the normalized row to the input dtype before weighting.
-            h = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+            normed = x.to(tl.float32) * inv_rms[:, None]
+            if WEIGHT_IN_FP32:
+                h = normed * w[None, :]
+            else:
+                # The eager graph rounds the normalized row to the input dtype before weighting.
+                h = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
         # The GEMM input the reference hands cuBLAS: h in up_w's dtype.
         a = h.to(up_ptr.dtype.element_ty)
         b = tl.load(up_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
@@ -162,11 +192,16 @@ def _moe_tail_kernel(
     out_mask = row_mask[:, None] & col_mask[None, :]
     # ---- 3. epilogue.
     if SPLIT_K == 1:
+        if SCALE_AFTER:
+            acc = acc * _inv_rms(tl.sum(sq_k, axis=1), row_mask, L, eps)[:, None]
         _store_out(acc, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, out_mask)
     else:
         tile = rows64[:, None] * H + cols[None, :]
         split_stride = SPLIT_STRIDE.to(tl.int64)
         tl.store(ws_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
+        sq_row_ptrs = sq_ws_ptr + (pid_n * SPLIT_K) * BLOCK_M + rows
+        if SCALE_AFTER:  # this split's part of every row's sum of squares
+            tl.store(sq_row_ptrs + pid_k * BLOCK_M, tl.sum(sq_k, axis=1))
         if GPU_FENCE:
             _fence_gpu()
         tl.debug_barrier()  # every thread has stored (and fenced) before the one arrival
@@ -176,10 +211,15 @@ def _moe_tail_kernel(
                 _fence_gpu()
             tl.debug_barrier()
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # split order: deterministic
                 # .cg: read L2 (where the other SMs' stores are), never a stale L1 line.
                 total += tl.load(ws_ptr + s * split_stride + tile, mask=out_mask, other=0.0,
                                  cache_modifier=".cg")
+                if SCALE_AFTER:
+                    total_sq += tl.load(sq_row_ptrs + s * BLOCK_M, cache_modifier=".cg")
+            if SCALE_AFTER:
+                total = total * _inv_rms(total_sq, row_mask, L, eps)[:, None]
             _store_out(total, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, out_mask)
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # next launch
 
@@ -200,6 +240,9 @@ class LaunchConfig:
     num_stages: int
     split_k: int
     norm_block_k: int
+    #: Scale the accumulator by 1/rms instead of the GEMM input (no norm prologue; the
+    #: GEMM input is round(x * w)); off by default until measured on a GPU.
+    scale_after: bool = False
 
 
 _num_sms_cache: dict[int, int] = {}
@@ -261,7 +304,7 @@ def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
 
 
 def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
-                    num_stages=0, split_k=0, norm_block_k=0) -> LaunchConfig:
+                    num_stages=0, split_k=0, norm_block_k=0, scale_after=None) -> LaunchConfig:
     _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
     _check_option("block_k", block_k, power_of_two=True, low=16, high=1024)
     _check_option("norm_block_k", norm_block_k, power_of_two=True, low=16, high=8192)
@@ -277,7 +320,8 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     return LaunchConfig(block_n=block_n or auto.block_n, block_k=block_k,
                         num_warps=num_warps or auto.num_warps,
                         num_stages=num_stages or auto.num_stages, split_k=split,
-                        norm_block_k=norm_block_k or auto.norm_block_k)
+                        norm_block_k=norm_block_k or auto.norm_block_k,
+                        scale_after=auto.scale_after if scale_after is None else scale_after)
 
 
 # ---------------------------------------------------------------------- arguments
@@ -397,18 +441,22 @@ def latent_moe_tail_fused(
     num_stages: int = 0,
     split_k: int = 0,
     norm_block_k: int = 0,
+    scale_after: bool | None = None,
 ) -> torch.Tensor:
     """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
     launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype.
 
     Inputs as :func:`check_fused_tail_args` says (validated before launch; never
-    modified). Launch options of 0 take :func:`pick_launch_config`'s choice.
+    modified). Launch options of 0 (``scale_after``: None) take
+    :func:`pick_launch_config`'s choice.
     """
+    if scale_after is not None and not isinstance(scale_after, bool):
+        raise TypeError(f"scale_after must be a bool or None, got {type(scale_after).__name__}")
     check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32)
     tokens, latent = routed_latent.shape
     hidden = up_w.shape[0]
     cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
-                          block_k, num_warps, num_stages, split_k, norm_block_k)
+                          block_k, num_warps, num_stages, split_k, norm_block_k, scale_after)
     out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
         return out
@@ -418,15 +466,19 @@ def latent_moe_tail_fused(
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, tokens, hidden), dtype=torch.float32, device=up_w.device)
         lock = _lock_buffer(up_w.device, tiles)
+        sq_ws = ws
+        if cfg.scale_after:
+            sq_ws = torch.empty((tiles, cfg.split_k, _block_m(tokens)), dtype=torch.float32,
+                                device=up_w.device)
     else:
-        ws = lock = out  # never read
+        ws = lock = sq_ws = out  # never read
     _moe_tail_kernel[(tiles, cfg.split_k)](
         routed_latent, routed_latent.stride(0),
         norm_w,
         up_w, up_w.stride(0),
         shared, shared.stride(0),
         out, out.stride(0),
-        ws, lock,
+        ws, sq_ws, lock,
         tokens, latent, hidden,
         float(eps),
         k_per_split,
@@ -436,6 +488,7 @@ def latent_moe_tail_fused(
         BLOCK_K=cfg.block_k,
         NORM_BLOCK_K=cfg.norm_block_k,
         SPLIT_K=cfg.split_k,
+        SCALE_AFTER=cfg.scale_after,
         WEIGHT_IN_FP32=bool(weight_in_fp32),
         DOT_IN_FP32=interpreted or up_w.dtype == torch.float32,
         GPU_FENCE=not interpreted,
