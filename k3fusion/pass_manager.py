@@ -35,7 +35,8 @@ def _source_digest() -> str:
 
     files = sorted(Path(patterns.__file__).parent.glob("*.py"))
     root = Path(k3fusion.__file__).parent
-    files += [root / name for name in ("pass_manager.py", "ops.py", "reference.py", "config.py")]
+    files += [root / name for name in ("pass_manager.py", "reference.py", "config.py")]
+    files += sorted((root / "ops").glob("*.py"))
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())

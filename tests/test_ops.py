@@ -382,7 +382,7 @@ def test_eps_not_a_number_names_the_argument() -> None:
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="the op schema converts a bool eps to 1.0 before "
-                   "check_rms_norm_args' bool rejection runs (k3fusion/ops.py)")
+                   "check_rms_norm_args' bool rejection runs (k3fusion/ops/_args.py)")
 def test_eps_bool_rejected() -> None:
     try:
         op(**_args(eps1=True))

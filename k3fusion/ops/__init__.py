@@ -1,0 +1,23 @@
+"""The ``torch.ops.k3fusion`` custom ops: what the graph passes insert and eager wrappers call.
+
+Every op has
+
+* a fake (meta) implementation, so it traces under torch.compile with dynamic shapes;
+* a CUDA implementation that launches the Triton kernel;
+* a CPU implementation in plain torch (``k3fusion.reference``), or the Triton kernel in
+  Triton's interpreter when ``TRITON_INTERPRET=1`` (how the kernels are tested on CPU).
+
+Arguments are validated here, before any launch, with errors that name the argument.
+
+One module per op family: ``dual_rms_norm``, ``attn_res`` (``attn_res_`` and ``attn_res``),
+``latent_moe_tail``; shared argument checks in ``_args``. Importing this package registers
+every op.
+"""
+
+from ._args import check_rms_norm_args
+from .attn_res import attn_res, attn_res_, check_attn_res_args
+from .dual_rms_norm import dual_rms_norm
+from .latent_moe_tail import latent_moe_tail, resolve_group
+
+__all__ = ["check_rms_norm_args", "dual_rms_norm", "attn_res_", "attn_res", "check_attn_res_args",
+           "latent_moe_tail", "resolve_group"]

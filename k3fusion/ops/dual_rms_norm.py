@@ -1,0 +1,88 @@
+"""``k3fusion::dual_rms_norm``: two RMSNorms in one launch (the MLA q/kv norm pair)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import reference
+from ..config import get_config
+from ._args import _check_eps_tensor, _eps_value, _new_norm_output, _rows, check_rms_norm_args
+
+__all__ = ["dual_rms_norm"]
+
+
+def _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor=None, eps2_tensor=None) -> None:
+    check_rms_norm_args(x1, w1, eps1, x_name="x1", w_name="w1", eps_name="eps1")
+    check_rms_norm_args(x2, w2, eps2, x_name="x2", w_name="w2", eps_name="eps2")
+    _check_eps_tensor(eps1_tensor, "eps1_tensor")
+    _check_eps_tensor(eps2_tensor, "eps2_tensor")
+    if x1.device != x2.device:
+        raise ValueError(f"x1 is on {x1.device} but x2 is on {x2.device}")
+
+
+@torch.library.custom_op("k3fusion::dual_rms_norm", mutates_args=())
+def dual_rms_norm(
+    x1: torch.Tensor,
+    w1: torch.Tensor,
+    eps1: float,
+    x2: torch.Tensor,
+    w2: torch.Tensor,
+    eps2: float,
+    weight_in_fp32_1: bool = False,
+    weight_in_fp32_2: bool = False,
+    eps1_tensor: Optional[torch.Tensor] = None,
+    eps2_tensor: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two RMSNorms in one launch; see ``k3fusion.reference.dual_rms_norm``.
+
+    ``eps1_tensor``/``eps2_tensor`` are the compiler's form of eps: with
+    ``torch.compile(dynamic=True)`` a module's float eps becomes a 0-dim CPU tensor
+    input of the graph. When given, it replaces ``eps1``/``eps2``.
+    """
+    raise NotImplementedError(f"k3fusion::dual_rms_norm has no kernel for {x1.device.type}")
+
+
+@dual_rms_norm.register_fake
+def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+      eps1_tensor=None, eps2_tensor=None):
+    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
+    return _new_norm_output(x1, w1, weight_in_fp32_1), _new_norm_output(x2, w2, weight_in_fp32_2)
+
+
+def _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2):
+    from k3fusion.kernels import dual_rms_norm as launch
+
+    y1 = _new_norm_output(x1, w1, weight_in_fp32_1)
+    y2 = _new_norm_output(x2, w2, weight_in_fp32_2)
+    launch(
+        _rows(x1), w1, eps1, _rows(x2), w2, eps2, _rows(y1), _rows(y2),
+        weight_in_fp32_1, weight_in_fp32_2,
+        rows_per_program=get_config().dual_norm_rows_per_program,
+    )
+    return y1, y2
+
+
+@dual_rms_norm.register_kernel("cuda")
+def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+      eps1_tensor=None, eps2_tensor=None):
+    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
+    eps1 = _eps_value(eps1, eps1_tensor, "eps1_tensor")
+    eps2 = _eps_value(eps2, eps2_tensor, "eps2_tensor")
+    return _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
+
+
+@dual_rms_norm.register_kernel("cpu")
+def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+      eps1_tensor=None, eps2_tensor=None):
+    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
+    eps1 = _eps_value(eps1, eps1_tensor, "eps1_tensor")
+    eps2 = _eps_value(eps2, eps2_tensor, "eps2_tensor")
+    from k3fusion.kernels._launch import interpreter_enabled
+
+    if interpreter_enabled():
+        return _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
+    y1, y2 = reference.dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
+    # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
+    return y1.contiguous(), y2.contiguous()

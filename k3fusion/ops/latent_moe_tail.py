@@ -1,0 +1,107 @@
+"""``k3fusion::latent_moe_tail``: the latent-MoE tail as one op that picks its tier from T."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import reference
+from ._args import _check_eps_tensor, _eps_value
+
+# ====================================================================== latent-MoE tail
+#
+# ``latent_moe_tail`` is what the graph pass (``patterns/moe_tail.py``) inserts for
+# ``all_reduce(shared) + rms_norm(all_reduce(routed_latent)) @ up_w.T``. The process group
+# travels by name (what ``_c10d_functional.all_reduce`` nodes carry), so the op schema has
+# no opaque group object; the implementations resolve it and call
+# ``k3fusion.moe_tail.latent_moe_tail``, which selects the tier from the actual T at run
+# time (dynamic T). Functional: the inputs are never modified.
+
+__all__ = ["latent_moe_tail", "resolve_group"]
+
+
+def resolve_group(group_name: Optional[str]):
+    """The process group registered under ``group_name`` (None: tp=1, no group).
+
+    ``torch.distributed.distributed_c10d._resolve_process_group`` exists under that name
+    in torch 2.11 and 2.13 (older builds only had it in ``torch._C._distributed_c10d``).
+    """
+    if group_name is None:
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+    except ImportError:  # pragma: no cover - older torch
+        from torch._C._distributed_c10d import _resolve_process_group
+    return _resolve_process_group(group_name)
+
+
+def _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor) -> None:
+    from ..moe_tail import check_latent_moe_tail_args
+
+    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w)
+    _check_eps_tensor(eps_tensor, "eps_tensor")
+    if group_name is not None and not isinstance(group_name, str):
+        raise TypeError(f"group_name must be a str or None, got {type(group_name).__name__}")
+
+
+def _tail_out_dtype(routed_latent, shared, norm_w, up_w, weight_in_fp32: bool) -> torch.dtype:
+    normed = reference.rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32)
+    return torch.promote_types(shared.dtype, torch.promote_types(normed, up_w.dtype))
+
+
+@torch.library.custom_op("k3fusion::latent_moe_tail", mutates_args=())
+def latent_moe_tail(
+    routed_latent: torch.Tensor,
+    shared: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    up_w: torch.Tensor,
+    group_name: Optional[str],
+    weight_in_fp32: bool = False,
+    eps_tensor: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``all_reduce(shared) + rms_norm(all_reduce(routed_latent), norm_w, eps) @ up_w.T``
+    over the process group named ``group_name`` (None: tp=1); see
+    ``k3fusion.reference.latent_moe_tail``. The tier is selected per call from T.
+    ``eps_tensor`` (a 0-dim CPU tensor, ``torch.compile(dynamic=True)``'s form of a float
+    eps) replaces ``eps``. Returns a new ``[..., H]`` tensor; inputs are not modified.
+    """
+    raise NotImplementedError(f"k3fusion::latent_moe_tail has no kernel for {shared.device.type}")
+
+
+@latent_moe_tail.register_fake
+def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
+      eps_tensor=None):
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor)
+    dtype = _tail_out_dtype(routed_latent, shared, norm_w, up_w, weight_in_fp32)
+    return shared.new_empty(shared.shape, dtype=dtype)
+
+
+def _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32,
+                          eps_tensor):
+    from .. import moe_tail
+
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor)
+    eps = _eps_value(eps, eps_tensor, "eps_tensor")
+    y = moe_tail.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
+                                 resolve_group(group_name), weight_in_fp32=weight_in_fp32)
+    # Same layout as the fake impl promises; a fresh tensor, never an alias of an input.
+    y = y.contiguous()
+    if y.data_ptr() == shared.data_ptr() and shared.numel():
+        y = y.clone()
+    return y
+
+
+@latent_moe_tail.register_kernel("cuda")
+def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
+      eps_tensor=None):
+    return _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name,
+                                 weight_in_fp32, eps_tensor)
+
+
+@latent_moe_tail.register_kernel("cpu")
+def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
+      eps_tensor=None):
+    return _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name,
+                                 weight_in_fp32, eps_tensor)
