@@ -100,6 +100,8 @@ class TailFusionImpl:
     ``supports(tokens, hidden, tp, device)`` returns None when it can run such a call,
     else why not (it must depend on static facts and T only, like the selection).
     ``run(routed_latent [T, L], shared [T, H], norm_w, eps, up_w, group, weight_in_fp32)``
+    (and ``norm_dtype=`` when the normalized latent is cast to another dtype; an
+    implementation without that keyword cannot run such a tail)
     returns ``[T, H]`` and must not modify its inputs. ``device_types``: the device types
     (``"cuda"``, ...) it is for, None for any; an implementation is not asked about other
     devices (so a CPU call reports that none is registered for ``'cpu'``).
@@ -302,9 +304,11 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.trigger_wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared):
+def _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
+                donate_shared):
     # Exactly the reference's op sequence (bit-identical results).
-    return reference.latent_moe_tail(routed, shared, norm_w, eps, up_w, group, weight_in_fp32)
+    return reference.latent_moe_tail(routed, shared, norm_w, eps, up_w, group, weight_in_fp32,
+                                     norm_dtype)
 
 
 # Per CUDA device: (side stream, event "shared ready", event "shared reduced").
@@ -319,9 +323,11 @@ def _side_stream(device: torch.device):
     return _side_streams[index]
 
 
-def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared):
+def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
+             donate_shared):
     if group is None:  # tp=1: no all-reduce to hide; the replicated form is the whole tail
-        return _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared)
+        return _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
+                           donate_shared)
     if shared.is_cuda and not torch.compiler.is_compiling():
         main = torch.cuda.current_stream(shared.device)
         side, ready, done = _side_stream(shared.device)
@@ -330,7 +336,8 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_sh
         with torch.cuda.stream(side):
             shared_sum = _wait(_all_reduce_async(shared, group))
             done.record(side)
-        h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32)
+        h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32,
+                               norm_dtype)
         up = h @ up_w.T                # overlaps the shared all-reduce
         main.wait_event(done)
         shared_sum.record_stream(main)  # allocated on the side stream, released on main
@@ -338,14 +345,17 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_sh
     # CPU / traced: issue the shared all-reduce first and wait for it only after the GEMM
     # (gloo runs it on its worker threads meanwhile; a trace leaves placement to Inductor).
     pending = _all_reduce_async(shared, group)
-    h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32)
+    h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32,
+                               norm_dtype)
     up = h @ up_w.T
     return _wait(pending) + up
 
 
-def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared):
+def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
+                     donate_shared):
     tp, rank = tp_size_and_rank(group)
-    h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32)
+    h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32,
+                               norm_dtype)
     hidden = shared.shape[-1]
     shard = hidden // tp
     start = rank * shard
@@ -357,12 +367,16 @@ def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, d
     return reference.all_reduce(out, group)
 
 
-def _tail_fusion(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, donate_shared):
+def _tail_fusion(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
+                 donate_shared):
     tp, _ = tp_size_and_rank(group)
     impl, why = _tail_fusion_impl(routed.shape[0], shared.shape[-1], tp, shared.device)
     if impl is None:  # selection checked this; a registry change in between lands here
         raise TierUnavailableError(f"tail_fusion: {why}")
-    return impl.run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32)
+    if norm_dtype is None:
+        return impl.run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32)
+    return impl.run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32,
+                    norm_dtype=norm_dtype)
 
 
 _IMPLS = {
@@ -376,7 +390,8 @@ _IMPLS = {
 # ---------------------------------------------------------------------- entry points
 
 
-def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w) -> None:
+def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w,
+                               norm_dtype: torch.dtype | None = None) -> None:
     """Validate a tail call; TypeError/ValueError naming the argument.
 
     ``routed_latent [..., L]`` and ``shared [..., H]`` with the same leading dims,
@@ -405,7 +420,10 @@ def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w) -> None
                          f"routed_latent leading dims {tuple(routed_latent.shape[:-1])}")
     if shared.stride(-1) != 1 and hidden > 1:
         raise ValueError(f"shared must be contiguous in its last dim, got stride {shared.stride(-1)}")
-    normed = reference.rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, False)
+    if norm_dtype is not None and norm_dtype not in (torch.bfloat16, torch.float16,
+                                                      torch.float32):
+        raise TypeError(f"norm_dtype must be None or a float dtype, got {norm_dtype}")
+    normed = reference.rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, False, norm_dtype)
     if not normed == up_w.dtype == shared.dtype:
         raise TypeError(
             f"dtypes must agree: rms_norm(routed_latent {routed_latent.dtype}, norm_w "
@@ -421,12 +439,16 @@ def run_latent_moe_tail(
     group=None,
     *,
     weight_in_fp32: bool = False,
+    norm_dtype: torch.dtype | None = None,
     tier=None,
     config: FusionConfig | None = None,
     donate_shared: bool = False,
 ) -> tuple[torch.Tensor, Tier]:
     """:func:`latent_moe_tail`, also returning the tier that ran."""
-    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w)
+    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype)
+    if norm_dtype is not None and weight_in_fp32:
+        raise ValueError("norm_dtype applies to the cast-then-weight norm only "
+                         "(weight_in_fp32=False)")
     latent, hidden = routed_latent.shape[-1], shared.shape[-1]
     lead = tuple(shared.shape[:-1])
     routed2 = routed_latent.reshape(-1, latent)
@@ -441,7 +463,8 @@ def run_latent_moe_tail(
         chosen, why = _select(tokens, hidden, tp, shared.device, config, tier)
         if not torch.compiler.is_compiling():
             _record(chosen, why, tokens, hidden, tp, config)
-    y = _IMPLS[chosen](routed2, shared2, norm_w, eps, up_w, group, weight_in_fp32, donate_shared)
+    y = _IMPLS[chosen](routed2, shared2, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
+                       donate_shared)
     return y.reshape(*lead, hidden), chosen
 
 
@@ -454,6 +477,7 @@ def latent_moe_tail(
     group=None,
     *,
     weight_in_fp32: bool = False,
+    norm_dtype: torch.dtype | None = None,
     tier=None,
     config: FusionConfig | None = None,
     donate_shared: bool = False,
@@ -464,7 +488,9 @@ def latent_moe_tail(
     ``routed_latent [..., L]`` and ``shared [..., H]``: this rank's partial sums over
     ``group`` (a ``torch.distributed`` process group; None = tp 1, no collective);
     ``up_w [H, L]`` replicated. ``tier`` forces a tier (else ``config.moe_tail_tier``);
-    ``config`` defaults to :func:`k3fusion.get_config`.
+    ``config`` defaults to :func:`k3fusion.get_config`. ``norm_dtype``: the cast of the
+    normalized latent (cast-then-weight) when it is not the latent's own dtype
+    (``k3fusion.reference.rms_norm``).
 
     Inputs are never modified unless ``donate_shared=True``: then the column-parallel
     tier may accumulate into ``shared`` in place instead of into a copy (pass it when
@@ -476,7 +502,8 @@ def latent_moe_tail(
     does it when built): reading the environment does not trace.
     """
     return run_latent_moe_tail(routed_latent, shared, norm_w, eps, up_w, group,
-                               weight_in_fp32=weight_in_fp32, tier=tier, config=config,
+                               weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype,
+                               tier=tier, config=config,
                                donate_shared=donate_shared)[0]
 
 
@@ -497,11 +524,12 @@ def _triton_supports(tokens: int, hidden: int, tp: int, device: torch.device) ->
     return None
 
 
-def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32):
+def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype=None):
     # tp == 1 (supports() said so): a one-rank group's all-reduces are identities.
     from k3fusion.kernels import latent_moe_tail_fused as launch
 
-    return launch(routed, shared, norm_w, eps, up_w, weight_in_fp32=weight_in_fp32)
+    return launch(routed, shared, norm_w, eps, up_w, weight_in_fp32=weight_in_fp32,
+                  norm_dtype=norm_dtype)
 
 
 register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",)))

@@ -411,8 +411,12 @@ def symm_mem_latent_moe_tail(routed_latent: torch.Tensor, shared: torch.Tensor,
     return _tail_after_reduce(routed_sum, shared_sum, norm_w, eps, up_w, weight_in_fp32)
 
 
-def _run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32):
+def _run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype=None):
     # The registry's run(): TailFusionImpl calls with 2-D [T, L] / [T, H] partials.
+    if norm_dtype is not None:
+        raise NotImplementedError(
+            "the symm_mem tail does not take a norm cast to another dtype (norm_dtype="
+            f"{norm_dtype}); disable it (disable_symm_mem_tail()) for such models")
     return symm_mem_latent_moe_tail(routed, shared, norm_w, eps, up_w, group,
                                     weight_in_fp32=weight_in_fp32)
 

@@ -12,17 +12,21 @@ import torch
 __all__ = ["rms_norm", "dual_rms_norm", "rms_norm_out_dtype", "attn_res"]
 
 
-def rms_norm_out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, weight_in_fp32: bool) -> torch.dtype:
+def rms_norm_out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, weight_in_fp32: bool,
+                       norm_dtype: torch.dtype | None = None) -> torch.dtype:
     """Output dtype of :func:`rms_norm`, i.e. what the source graph produced.
 
     cast-then-weight ``(...).to(x.dtype) * w`` promotes with the weight (a bf16 input
-    with an fp32 weight gives fp32); weight-in-fp32 ``(... * w.float()).to(x.dtype)``
-    always gives the input dtype.
+    with an fp32 weight gives fp32; ``norm_dtype`` replaces ``x.dtype`` in the cast);
+    weight-in-fp32 ``(... * w.float()).to(x.dtype)`` always gives the input dtype.
     """
-    return x_dtype if weight_in_fp32 else torch.promote_types(x_dtype, w_dtype)
+    if weight_in_fp32:
+        return x_dtype
+    return torch.promote_types(x_dtype if norm_dtype is None else norm_dtype, w_dtype)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_in_fp32: bool = False,
+             norm_dtype: torch.dtype | None = None) -> torch.Tensor:
     """RMSNorm over the last dim.
 
     ``weight_in_fp32=False`` (cast-then-weight, HF / vLLM ``forward_native``)::
@@ -32,12 +36,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_in_fp32: bool 
     ``weight_in_fp32=True``::
 
         (x.float() * rsqrt(mean(x.float()**2, -1) + eps) * w.float()).to(x.dtype)
+
+    ``norm_dtype`` (cast-then-weight only): the normalized row is cast to it instead of
+    ``x.dtype`` -- T5's ``LayerNorm`` on an fp32 input with a bf16 weight, or an fp32
+    input whose 16-bit round trip Inductor removed.
     """
+    if norm_dtype is not None and weight_in_fp32:
+        raise ValueError("norm_dtype applies to the cast-then-weight form only")
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if weight_in_fp32:
         return (normed * w.float()).to(x.dtype)
-    return normed.to(x.dtype) * w
+    return normed.to(x.dtype if norm_dtype is None else norm_dtype) * w
 
 
 def dual_rms_norm(
@@ -126,6 +136,7 @@ def latent_moe_tail(
     up_w: torch.Tensor,
     group=None,
     weight_in_fp32: bool = False,
+    norm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The latent-MoE tail: ``all_reduce(shared) + rms_norm(all_reduce(routed_latent)) @ up_w.T``.
 
@@ -134,5 +145,5 @@ def latent_moe_tail(
     is replicated on every rank. :func:`rms_norm` is cast-then-weight unless
     ``weight_in_fp32``. Returns ``[..., H]``, the same on every rank; inputs are not modified.
     """
-    h = rms_norm(all_reduce(routed_latent, group), norm_w, eps, weight_in_fp32)
+    h = rms_norm(all_reduce(routed_latent, group), norm_w, eps, weight_in_fp32, norm_dtype)
     return all_reduce(shared, group) + h @ up_w.T

@@ -78,6 +78,7 @@ __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_
 MAX_TOKENS = 64
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -126,6 +127,7 @@ def _moe_tail_kernel(
     SPLIT_K: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
     WEIGHT_IN_FP32: tl.constexpr,
+    NORM_DTYPE: tl.constexpr,   # cast-then-weight: the normalized row's dtype
     DOT_IN_FP32: tl.constexpr,
     GPU_FENCE: tl.constexpr,
 ):
@@ -178,8 +180,9 @@ def _moe_tail_kernel(
             if WEIGHT_IN_FP32:
                 h = normed * w[None, :]
             else:
-                # The eager graph rounds the normalized row to the input dtype before weighting.
-                h = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+                # The eager graph rounds the normalized row (to the input dtype, unless
+                # norm_dtype says otherwise) before weighting.
+                h = normed.to(NORM_DTYPE).to(tl.float32) * w[None, :]
         # The GEMM input the reference hands cuBLAS: h in up_w's dtype.
         a = h.to(up_ptr.dtype.element_ty)
         b = tl.load(up_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
@@ -333,7 +336,8 @@ def _is_interpreted() -> bool:
     return isinstance(_moe_tail_kernel, InterpretedFunction)
 
 
-def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32=False) -> None:
+def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32=False,
+                          norm_dtype=None) -> None:
     """Validate a direct kernel call; TypeError/ValueError naming the argument.
 
     ``routed_latent [T, L]`` and ``shared [T, H]`` (any row strides, last dim contiguous),
@@ -386,7 +390,10 @@ def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
     from k3fusion.reference import rms_norm_out_dtype
 
-    normed = rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32)
+    if norm_dtype is not None and (weight_in_fp32 or norm_dtype not in _DTYPES):
+        raise ValueError(f"norm_dtype must be None or a float dtype with weight_in_fp32=False, "
+                         f"got {norm_dtype} (weight_in_fp32={weight_in_fp32})")
+    normed = rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32, norm_dtype)
     if not normed == up_w.dtype == shared.dtype:
         raise TypeError(
             f"dtypes must agree: rms_norm(routed_latent {routed_latent.dtype}, norm_w "
@@ -442,6 +449,7 @@ def latent_moe_tail_fused(
     split_k: int = 0,
     norm_block_k: int = 0,
     scale_after: bool | None = None,
+    norm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
     launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype.
@@ -452,7 +460,7 @@ def latent_moe_tail_fused(
     """
     if scale_after is not None and not isinstance(scale_after, bool):
         raise TypeError(f"scale_after must be a bool or None, got {type(scale_after).__name__}")
-    check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32)
+    check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32, norm_dtype)
     tokens, latent = routed_latent.shape
     hidden = up_w.shape[0]
     cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
@@ -490,6 +498,7 @@ def latent_moe_tail_fused(
         SPLIT_K=cfg.split_k,
         SCALE_AFTER=cfg.scale_after,
         WEIGHT_IN_FP32=bool(weight_in_fp32),
+        NORM_DTYPE=_TL_DTYPES[routed_latent.dtype if norm_dtype is None else norm_dtype],
         DOT_IN_FP32=interpreted or up_w.dtype == torch.float32,
         GPU_FENCE=not interpreted,
         num_warps=cfg.num_warps,

@@ -47,8 +47,6 @@ from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, erase_unused, exter
                   fake_call, is_graph_input, is_op, plan_size_reads, val)
 from .rms_norm import RMSNormMatch, eps_op_args
 
-prims = torch.ops.prims
-
 __all__ = ["FUSION_NAME", "MoETailSite", "match_moe_tail", "fuse_moe_tail"]
 
 FUSION_NAME = "moe_tail"
@@ -228,25 +226,14 @@ def _site(anchor, partner, mm, chain, norm_chain, wt, norm: RMSNormMatch) -> MoE
     return MoETailSite(anchor, norm, up_w, routed, shared, group, nodes)
 
 
-def _op_args(site: MoETailSite, shared=None, routed=None) -> tuple:
+def _op_args(site: MoETailSite, shared=None) -> tuple:
     eps = site.norm.eps
     eps, eps_t = eps_op_args(eps)
     shared = site.shared if shared is None else shared
-    routed = site.routed if routed is None else routed
-    return (routed, shared, site.norm.weight, eps, site.up_w, site.group_name,
-            site.norm.weight_in_fp32, eps_t)
-
-
-def _round_routed(graph: Graph, site: MoETailSite) -> Node | None:
-    """For a norm whose fp32 input lost the model's 16-bit round trip (``x_round``), a
-    node rounding the routed latent again: the op reads the model dtype, as the model
-    wrote it."""
-    if site.norm.x_round is None:
-        return None
-    args = (site.routed, site.norm.x_round)
-    node = graph.call_function(prims.convert_element_type.default, args)
-    node.meta["val"] = fake_call(prims.convert_element_type.default, args)
-    return node
+    # A norm of an fp32 input whose normalized value is cast to 16 bits (``x_round``):
+    # the op casts there too (its norm_dtype), exactly what the graph computes.
+    return (site.routed, shared, site.norm.weight, eps, site.up_w, site.group_name,
+            site.norm.weight_in_fp32, eps_t, site.norm.x_round)
 
 
 def _plan(site: MoETailSite) -> list:
@@ -255,12 +242,7 @@ def _plan(site: MoETailSite) -> list:
     size_reads = plan_size_reads(site.nodes, survivors)
     try:  # the op's own checks (dtypes, shapes, strides), on fake values
         shared = fake_call(aten.mm.default, site.shared) if rebuilt else None
-        routed = None
-        if site.norm.x_round is not None:
-            routed = fake_call(prims.convert_element_type.default,
-                               (site.routed, site.norm.x_round))
-        out = fake_call(torch.ops.k3fusion.latent_moe_tail.default,
-                        _op_args(site, shared, routed))
+        out = fake_call(torch.ops.k3fusion.latent_moe_tail.default, _op_args(site, shared))
     except (TypeError, ValueError) as e:
         raise NoMatch(f"the fused op refuses these inputs: {e}") from None
     want = val(site.anchor)
@@ -293,7 +275,7 @@ def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
             if isinstance(site.shared, tuple):
                 shared = graph.call_function(aten.mm.default, site.shared)
                 shared.meta["val"] = fake_call(aten.mm.default, site.shared)
-            args = _op_args(site, shared, _round_routed(graph, site))
+            args = _op_args(site, shared)
             node = graph.call_function(torch.ops.k3fusion.latent_moe_tail.default, args)
             node.meta["val"] = fake_call(torch.ops.k3fusion.latent_moe_tail.default, args)
         site.anchor.replace_all_uses_with(node)

@@ -64,11 +64,12 @@ class RMSNormMatch:
     out: Node
     #: Every node that computes ``out`` from ``x`` and ``weight`` (``out`` included).
     nodes: list[Node] = field(repr=False)
-    #: Set when ``x`` is fp32 but the normalized value is rounded to this 16-bit dtype
-    #: (cast-then-weight): the model wrote ``rms_norm(x.to(x_round))`` and Inductor
-    #: dropped the round trip as a pointless convert (it does on GPUs, e.g. for a latent
-    #: accumulated in fp32). Then ``out = rms_norm(x.to(x_round), weight, eps)`` up to that
-    #: one rounding of the input; a fusion that takes such a norm restores it.
+    #: Set when ``x`` is fp32 but the normalized value is cast to this 16-bit dtype
+    #: (cast-then-weight): ``out = rms_norm(x, weight, eps, norm_dtype=x_round)``. Either a
+    #: T5-style norm of a real fp32 input, or ``rms_norm(x.to(bf16))`` after Inductor
+    #: removed the round trip as a pointless convert (it does on GPUs, e.g. for a latent
+    #: accumulated in fp32); the graph cannot tell which, so a fusion that takes such a
+    #: norm must compute exactly this form.
     x_round: Optional[torch.dtype] = None
 
     @property

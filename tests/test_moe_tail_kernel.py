@@ -38,7 +38,7 @@ MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
 
 def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool,
-                   scale_after: bool = False):
+                   scale_after: bool = False, norm_dtype=None):
     """``(reference, per-element bound)`` for the kernel's output (float64, on the CPU).
 
     Kernel: ``K = rnd(y')``, ``y' = s + P'`` -- one rounding of the fp32 sum of the shared
@@ -85,10 +85,11 @@ def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool,
     # The spec evaluated on the CPU (fp32-accumulated GEMMs; cuBLAS may reduce bf16
     # partial sums in bf16, which this bound does not cover).
     x, s, w, up = (t.cpu() for t in (x, s, w, up))
-    ref = reference.latent_moe_tail(x, s, w, eps, up, None, weight_in_fp32)
-    h = reference.rms_norm(x, w, eps, weight_in_fp32)
+    ref = reference.latent_moe_tail(x, s, w, eps, up, None, weight_in_fp32, norm_dtype)
+    h = reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
     p = h @ up.T
-    c_h, h_ulp_dtype = dual_norm_tolerance(x.dtype, w.dtype, weight_in_fp32,
+    # A norm_dtype cast rounds the normalized row as a norm of that dtype would.
+    c_h, h_ulp_dtype = dual_norm_tolerance(norm_dtype or x.dtype, w.dtype, weight_in_fp32,
                                            bf16_casts_truncate=truncating)
     cpu = dict(device="cpu", dtype=torch.float64)
     up_abs = up.to(**cpu).abs()
@@ -619,7 +620,8 @@ from k3fusion.kernels.moe_tail import _moe_tail_kernel as k
 names = [p.name for p in k.params]
 for split, after in ((1, True), (7, True), (1, False), (4, False)):
     const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, NORM_BLOCK_K=512, SPLIT_K=split,
-                 SCALE_AFTER=after, WEIGHT_IN_FP32=False, DOT_IN_FP32=False, GPU_FENCE=True)
+                 SCALE_AFTER=after, WEIGHT_IN_FP32=False, DOT_IN_FP32=False, GPU_FENCE=True,
+                 NORM_DTYPE=triton.language.bfloat16)
     ptrs = {"ws_ptr": "*fp32", "sq_ws_ptr": "*fp32", "lock_ptr": "*i32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n == "eps" else "i32" for n in names}
@@ -646,3 +648,22 @@ def test_gpu_variants_compile_for_hopper():
     lines = done.stdout.split("\n")
     assert [x for x in lines if x] == ["1 True True True", "7 True True True",
                                        "1 False True True", "4 False True True"], done.stdout
+
+
+@pytest.mark.parametrize("scale_after", [False, True])
+def test_norm_dtype_casts_the_normalized_fp32_latent(scale_after):
+    """``norm_dtype``: an fp32 latent whose normalized row is cast to bf16 (T5-style, or a
+    round trip Inductor removed) -- the kernel casts there, as the reference does."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 96, generator=g).to(DEVICE)
+    s = torch.randn(5, 40, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.rand(96, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
+    up = (torch.randn(40, 96, generator=g) / 10).to(DEVICE, torch.bfloat16)
+    y = launch(x, s, w, 1e-6, up, norm_dtype=torch.bfloat16, scale_after=scale_after)
+    ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=INTERPRETED,
+                                scale_after=scale_after, norm_dtype=torch.bfloat16)
+    assert_within(y, ref, bound, "norm_dtype")
+    with pytest.raises(TypeError, match="dtypes must agree"):
+        launch(x, s, w, 1e-6, up)  # without it: an fp32 normed latent against a bf16 up_w
+    with pytest.raises(ValueError, match="norm_dtype"):
+        launch(x, s, w, 1e-6, up, norm_dtype=torch.bfloat16, weight_in_fp32=True)

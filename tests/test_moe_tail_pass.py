@@ -148,32 +148,32 @@ def test_tail_bf16_dynamic_t_and_other_eps():
     assert tail.args[3] == 1e-5 and tail.args[6] is False  # eps, cast-then-weight
 
 
-def test_tail_whose_fp32_latent_lost_its_round_trip():
-    """The GPU form of a latent accumulated in fp32: the model wrote ``acc.to(bf16)`` and
-    then the norm's ``.float()``; Inductor removes that round trip as a pointless convert
-    on CUDA, so the norm reads fp32 and only its normalized value is cast to bf16. The
-    pass still takes the tail (RMSNormMatch.x_round) and rounds the latent to bf16 again
-    before the op, as the model wrote it: the result is the model's, exactly."""
-    def dropped(acc, x, ws, nw, up):  # what the CUDA post-grad graph computes
+def test_tail_whose_norm_casts_an_fp32_latent():
+    """An fp32 latent whose normalized value is cast to bf16: a T5-style norm of a real
+    fp32 input, or (on GPUs) ``norm(acc.to(bf16))`` after Inductor removed the round trip
+    as a pointless convert. The graph cannot tell which, so the op computes exactly the
+    graph's form (``norm_dtype``): bit for bit the compiled function's own result, the
+    latent never rounded before the norm."""
+    def t5(acc, x, ws, nw, up):
         n = (acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
         return x @ ws.T + (n * nw) @ up.T
 
-    def model(acc, x, ws, nw, up):  # what the model wrote
-        return x @ ws.T + _rms_hf(acc.to(torch.bfloat16), nw) @ up.T
-
     r, x, ws, nw, up = _inputs(t=5, dtype=torch.bfloat16)
     acc = r.float() + torch.randn(r.shape, generator=torch.Generator().manual_seed(1)) / 300
-    out, be, n = _fused(dropped, acc, x, ws, nw, up)
+    out, be, n = _fused(t5, acc, x, ws, nw, up)
     assert n == 1
     (tail,) = [t for t in be.graph_after.nodes if t.target is TAIL]
-    cast = tail.args[0]
-    assert cast.target is torch.ops.prims.convert_element_type.default
-    assert cast.args[1] == torch.bfloat16 and cast.args[0].meta["val"].dtype == torch.float32
+    assert tail.args[0].meta["val"].dtype == torch.float32  # the latent itself, not rounded
+    assert tail.args[-1] == torch.bfloat16                  # norm_dtype
     assert count_op(be.graph_after, torch.ops.aten.rsqrt.default) == 0
     with torch.no_grad():
-        want = TAIL(acc.to(torch.bfloat16), x @ ws.T, nw, 1e-6, up, None, False)
+        want = reference.latent_moe_tail(acc, x @ ws.T, nw, 1e-6, up, None, False,
+                                         torch.bfloat16)
         assert torch.equal(out, want)
-        torch.testing.assert_close(out, model(acc, x, ws, nw, up), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out, t5(acc, x, ws, nw, up), rtol=2e-2, atol=2e-2)
+        # and it is not the rounded-latent form (which would change T5's results)
+        rounded = reference.latent_moe_tail(acc.to(torch.bfloat16), x @ ws.T, nw, 1e-6, up)
+        assert not torch.equal(out, rounded)
 
 
 def test_fp32_input_rounded_to_another_width_is_no_norm():

@@ -36,17 +36,20 @@ def resolve_group(group_name: Optional[str]):
     return _resolve_process_group(group_name)
 
 
-def _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor) -> None:
+def _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor,
+                norm_dtype=None) -> None:
     from ..moe_tail import check_latent_moe_tail_args
 
-    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w)
+    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype)
     _check_eps_tensor(eps_tensor, "eps_tensor")
     if group_name is not None and not isinstance(group_name, str):
         raise TypeError(f"group_name must be a str or None, got {type(group_name).__name__}")
 
 
-def _tail_out_dtype(routed_latent, shared, norm_w, up_w, weight_in_fp32: bool) -> torch.dtype:
-    normed = reference.rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32)
+def _tail_out_dtype(routed_latent, shared, norm_w, up_w, weight_in_fp32: bool,
+                    norm_dtype=None) -> torch.dtype:
+    normed = reference.rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32,
+                                          norm_dtype)
     return torch.promote_types(shared.dtype, torch.promote_types(normed, up_w.dtype))
 
 
@@ -60,32 +63,36 @@ def latent_moe_tail(
     group_name: Optional[str],
     weight_in_fp32: bool = False,
     eps_tensor: Optional[torch.Tensor] = None,
+    norm_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``all_reduce(shared) + rms_norm(all_reduce(routed_latent), norm_w, eps) @ up_w.T``
     over the process group named ``group_name`` (None: tp=1); see
     ``k3fusion.reference.latent_moe_tail``. The tier is selected per call from T.
     ``eps_tensor`` (a 0-dim CPU tensor, ``torch.compile(dynamic=True)``'s form of a float
-    eps) replaces ``eps``. Returns a new ``[..., H]`` tensor; inputs are not modified.
+    eps) replaces ``eps``. ``norm_dtype``: the normalized latent's cast when it is not the
+    latent's dtype (a T5-style norm of an fp32 input, or one whose 16-bit round trip
+    Inductor removed). Returns a new ``[..., H]`` tensor; inputs are not modified.
     """
     raise NotImplementedError(f"k3fusion::latent_moe_tail has no kernel for {shared.device.type}")
 
 
 @latent_moe_tail.register_fake
 def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
-      eps_tensor=None):
-    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor)
-    dtype = _tail_out_dtype(routed_latent, shared, norm_w, up_w, weight_in_fp32)
+      eps_tensor=None, norm_dtype=None):
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype)
+    dtype = _tail_out_dtype(routed_latent, shared, norm_w, up_w, weight_in_fp32, norm_dtype)
     return shared.new_empty(shared.shape, dtype=dtype)
 
 
 def _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32,
-                          eps_tensor):
+                          eps_tensor, norm_dtype=None):
     from .. import moe_tail
 
-    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor)
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype)
     eps = _eps_value(eps, eps_tensor, "eps_tensor")
     y = moe_tail.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
-                                 resolve_group(group_name), weight_in_fp32=weight_in_fp32)
+                                 resolve_group(group_name), weight_in_fp32=weight_in_fp32,
+                                 norm_dtype=norm_dtype)
     # Same layout as the fake impl promises; a fresh tensor, never an alias of an input.
     y = y.contiguous()
     if y.data_ptr() == shared.data_ptr() and shared.numel():
@@ -95,13 +102,13 @@ def _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name, 
 
 @latent_moe_tail.register_kernel("cuda")
 def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
-      eps_tensor=None):
+      eps_tensor=None, norm_dtype=None):
     return _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name,
-                                 weight_in_fp32, eps_tensor)
+                                 weight_in_fp32, eps_tensor, norm_dtype)
 
 
 @latent_moe_tail.register_kernel("cpu")
 def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
-      eps_tensor=None):
+      eps_tensor=None, norm_dtype=None):
     return _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name,
-                                 weight_in_fp32, eps_tensor)
+                                 weight_in_fp32, eps_tensor, norm_dtype)
