@@ -513,6 +513,8 @@ def latent_moe_tail(
 def _triton_supports(tokens: int, hidden: int, tp: int, device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return f"runs on CUDA, not on device {device.type!r}"
+    if torch.version.hip is not None:
+        return "ROCm: the kernel's split-K fence is PTX (NVIDIA GPUs only)"
     if tp != 1:
         return (f"tp={tp}: the kernel computes one rank's whole tail (tp=1 only; with tp > 1 "
                 "the all-reduces between norm and GEMM cannot be fused into it)")

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-__all__ = ["cdiv", "interpreter_enabled", "check_launchable"]
+__all__ = ["cdiv", "interpreter_enabled", "check_launchable", "counter_buffer"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,3 +49,34 @@ def check_launchable(*tensors: torch.Tensor) -> None:
         f"k3fusion's Triton kernels run on CUDA (or on CPU with TRITON_INTERPRET=1), "
         f"not on {device.type}"
     )
+
+
+_counter_buffers: dict[tuple, torch.Tensor] = {}
+#: Buffers a larger one replaced: a captured CUDA graph may still use their addresses.
+_retired: list[torch.Tensor] = []
+
+
+def counter_buffer(name: str, device: torch.device, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed counters for a kernel whose programs synchronize through global atomics and
+    that leaves every counter at zero when it finishes (its contract with this cache).
+
+    Cached per (name, device, stream): launches on one stream are serialized, two streams
+    never share counters. Grown only outside a CUDA-graph capture; replaced buffers stay
+    alive, since a captured graph may still use them. Inside a capture, a cached buffer
+    that is large enough is used (it is zero: it was zeroed eagerly and every launch
+    leaves it at zero); otherwise this launch gets a fresh zeroed buffer of its own (its
+    zeroing is captured with it) that is not cached -- never a cache entry whose zeroing
+    would only happen when one particular graph replays.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (name, device.type, device.index, stream)
+    buf = _counter_buffers.get(key)
+    if buf is not None and buf.numel() >= size:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(size, dtype=dtype, device=device)
+    if buf is not None:
+        _retired.append(buf)
+    buf = torch.zeros(max(size, 1024), dtype=dtype, device=device)
+    _counter_buffers[key] = buf
+    return buf

@@ -42,9 +42,10 @@ code compiles out):
 The split kernel's barrier: programs of one token add to that token's int64 counter in
 ``sync``; the adds of one exchange total exactly ``SYNC_EPOCH`` (chunk 0 adds
 ``SYNC_EPOCH - (n - 1)``, the others 1), so the counter is a multiple of ``SYNC_EPOCH``
-between exchanges whatever ``n`` was, and each program waits for the next multiple. The
-buffer never needs resetting (CUDA-graph replays included) and different widths share
-it. Requirements: all programs of a token must be resident together (a token's programs
+between the exchanges of a launch, and each program waits for the next multiple. After
+its last wait each program departs on a second counter; the last to depart returns both
+to zero, so every launch leaves the buffer zero (CUDA-graph replays included; see
+``_launch.counter_buffer``). Requirements: all programs of a token must be resident together (a token's programs
 are adjacent in the grid and blocks are dispatched in order, so earlier tokens always
 finish; split launches are small anyway), and two launches must not use one counter
 concurrently (one buffer per device and stream). Under Triton's CPU interpreter programs
@@ -77,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, check_launchable, interpreter_enabled
+from ._launch import cdiv, check_launchable, counter_buffer, interpreter_enabled
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
@@ -105,9 +106,11 @@ SPLIT_NUM_WARPS = 4
 #: must be resident together while they wait at the barrier; in-order dispatch keeps that
 #: true for any grid, this bound keeps it far from the limits of the counter buffer.
 SPLIT_MAX_PROGRAMS = 1 << 20
+#: Tokens are the split kernel's second grid dim, which CUDA caps at 65535.
+SPLIT_MAX_GRID_Y = 65535
 #: Most sources (blocks + prefix) the split kernel holds in registers at once.
 SPLIT_MAX_SOURCES = 32
-#: What the programs of one token add to its barrier counter per launch (> any grid dim).
+#: What the programs of one token add to its barrier counter per exchange (> programs per token).
 SYNC_EPOCH = tl.constexpr(1 << 16)
 
 
@@ -249,6 +252,18 @@ def _token_barrier(counter_ptr, chunk, N_CHUNKS: tl.constexpr, EPOCH: tl.constex
     return (seen >> 62).to(tl.int32)
 
 
+@triton.jit
+def _token_depart(counter_ptr, departed_ptr, N_CHUNKS: tl.constexpr):
+    """After a program's last wait: the token's last program to depart returns both of its
+    counters to zero (every program is past every wait by then), so each launch leaves
+    the buffer as it found it -- zero (``_launch.counter_buffer``'s contract)."""
+    tl.debug_barrier()
+    departed = tl.atomic_add(departed_ptr, 1, sem="acq_rel", scope="gpu")
+    if departed == N_CHUNKS - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(departed_ptr, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
 def _attn_res_split_kernel(
     prefix_ptr, prefix_stride,
@@ -291,6 +306,7 @@ def _attn_res_split_kernel(
     ks = tl.arange(0, N_CHUNKS_PAD)
     kmask = ks < N_CHUNKS
     counter = sync_ptr + tok
+    departed = sync_ptr + tl.num_programs(1) + tok  # the second half of the buffer
 
     if PHASE >= 2:
         # An earlier launch updated the prefix (prefix_out holds the rounded row).
@@ -361,24 +377,8 @@ def _attn_res_split_kernel(
             else:
                 _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
                               out_norm_w_ptr + cols, 0.0, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
-
-
-_sync_buffers: dict[tuple, torch.Tensor] = {}
-
-
-def _sync_buffer(device: torch.device, tokens: int) -> torch.Tensor:
-    """This device and stream's barrier counters (int64, one per token slot), grown as needed."""
-    if device.type == "cuda":
-        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = (None, 0)
-    buf = _sync_buffers.get(key)
-    if buf is None or buf.numel() < tokens:
-        # A buffer allocated inside a CUDA-graph capture is zeroed by the graph itself on
-        # each replay; the counters only need to start at a multiple of SYNC_EPOCH.
-        buf = torch.zeros(max(tokens, 256), dtype=torch.int64, device=device)
-        _sync_buffers[key] = buf
-    return buf
+        if PHASE == 0:  # this branch passed at least one barrier
+            _token_depart(counter, departed, N_CHUNKS)
 
 
 # ---------------------------------------------------------------------- launch
@@ -418,7 +418,10 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
     block_h = triton.next_power_of_2(max(H, 1))
     if kind == "auto":
         most = SPLIT_MAX_TOKENS if split_max_tokens is None else split_max_tokens
-        split = (sources_per_tile <= 0 and T <= most and num_blocks + 1 <= SPLIT_MAX_SOURCES
+        # The barrier is PTX (fences, acquire/release atomics): NVIDIA GPUs only.
+        split = (sources_per_tile <= 0 and T <= min(most, SPLIT_MAX_GRID_Y)
+                 and torch.version.hip is None
+                 and num_blocks + 1 <= SPLIT_MAX_SOURCES
                  and T * cdiv(H, chunk or SPLIT_CHUNK) <= SPLIT_MAX_PROGRAMS)
         kind = "split" if split else "row"
     if kind == "split":
@@ -482,8 +485,9 @@ def attn_res(
     Arguments are validated by the caller (``k3fusion.ops``); this only checks what the
     kernel itself needs. ``prefill_tokens``, ``sources_per_tile``, ``num_warps``,
     ``kind``, ``chunk`` and ``split_max_tokens`` override :func:`pick_launch_shape`
-    (benchmark sweeps, tests); ``split_phases`` runs the split kernel as two launches
-    (what the interpreter always does; a GPU test compares the two forms).
+    (benchmark sweeps, tests); ``split_phases`` runs the split kernel as separate launches
+    (one launch per phase, three with an output norm: what the interpreter always does;
+    a GPU test compares the two forms).
     """
     tensors = [prefix, blocks, norm_w, proj_w, out]
     if delta is not None:
@@ -525,6 +529,9 @@ def attn_res(
                                **flags)
         return
     n_chunks = cdiv(H, shape.chunk)
+    if T > SPLIT_MAX_GRID_Y:
+        raise ValueError(f"the split kernel takes at most {SPLIT_MAX_GRID_Y} tokens (its grid's "
+                         f"second dim), got T={T}; use the row kernel")
     if n_chunks >= SYNC_EPOCH:
         raise ValueError(f"{n_chunks} programs per token: at most {SYNC_EPOCH.value - 1} "
                          f"(use a wider chunk)")
@@ -535,7 +542,9 @@ def attn_res(
     partials = torch.empty((T, n_chunks_pad, 2 * s_pad + 1), dtype=torch.float32,
                            device=prefix.device)
     interpreted = prefix.device.type == "cpu" and interpreter_enabled()
-    sync = partials if interpreted else _sync_buffer(prefix.device, T)
+    # Per token: its barrier counter, then (second half) its departure counter.
+    sync = partials if interpreted else counter_buffer("attn_res", prefix.device, 2 * T,
+                                                       torch.int64)
     split = dict(CHUNK=shape.chunk, N_CHUNKS=n_chunks, N_CHUNKS_PAD=n_chunks_pad, S_PAD=s_pad,
                  **flags)
     args = (*common, partials, sync, H, float(eps), float(out_eps))

@@ -34,8 +34,8 @@ partial tile in a workspace ``[SPLIT_K, T, H]`` and arrives at its column tile's
 the *last* to arrive sums the ``SPLIT_K`` partials in split order (deterministic, whatever
 the arrival order), adds ``shared``, stores, and resets the counter to 0 for the next
 launch (CUDA-graph replays included). No program ever waits, so no residency assumption
-is needed. Counters are one buffer per device and stream: launches on one stream are
-serialized, and two streams never share a counter.
+is needed. Counters come from ``_launch.counter_buffer`` (per device and stream, never
+first allocated inside a CUDA-graph capture).
 
 **Scale after** (constexpr ``SCALE_AFTER``, launch option ``scale_after``; off by default
 until measured): ``1/rms`` is a per-row factor, so it can scale the fp32 accumulator
@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, interpreter_enabled
+from ._launch import cdiv, counter_buffer, interpreter_enabled
 
 __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_fused",
            "check_fused_tail_args"]
@@ -416,24 +416,6 @@ def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp
 # ---------------------------------------------------------------------- launch
 
 
-_locks: dict[tuple, torch.Tensor] = {}
-
-
-def _lock_buffer(device: torch.device, tiles: int) -> torch.Tensor:
-    """This device and stream's split-K arrival counters (int32, all 0 between launches)."""
-    if device.type == "cuda":
-        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = (None, 0)
-    buf = _locks.get(key)
-    if buf is None or buf.numel() < tiles:
-        # Allocated inside a CUDA-graph capture, the zeroing is part of the graph; every
-        # launch leaves the counters at 0 again anyway.
-        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _locks[key] = buf
-    return buf
-
-
 def latent_moe_tail_fused(
     routed_latent: torch.Tensor,
     shared: torch.Tensor,
@@ -461,6 +443,10 @@ def latent_moe_tail_fused(
     if scale_after is not None and not isinstance(scale_after, bool):
         raise TypeError(f"scale_after must be a bool or None, got {type(scale_after).__name__}")
     check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32, norm_dtype)
+    if scale_after and up_w.dtype == torch.float16:
+        # It rounds the *unnormalized* x * w to up_w's dtype: fp16's range (65504) is
+        # not enough for that where the normalized value would fit.
+        raise ValueError("scale_after=True needs bf16 or fp32 weights, got up_w float16")
     tokens, latent = routed_latent.shape
     hidden = up_w.shape[0]
     cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
@@ -473,7 +459,8 @@ def latent_moe_tail_fused(
     k_per_split = cdiv(cdiv(latent, cfg.block_k), cfg.split_k) * cfg.block_k
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, tokens, hidden), dtype=torch.float32, device=up_w.device)
-        lock = _lock_buffer(up_w.device, tiles)
+        # Every launch leaves the counters at 0 (the last arrival resets its tile's).
+        lock = counter_buffer("moe_tail", up_w.device, tiles, torch.int32)
         sq_ws = ws
         if cfg.scale_after:
             sq_ws = torch.empty((tiles, cfg.split_k, _block_m(tokens)), dtype=torch.float32,
