@@ -159,6 +159,7 @@ def _one_shot_pair_kernel(
     WORLD: tl.constexpr,
     WORLD_P2: tl.constexpr,
     BLOCK: tl.constexpr,
+    GPU_FENCE: tl.constexpr,    # off in Triton's interpreter (no inline PTX there)
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -173,6 +174,12 @@ def _one_shot_pair_kernel(
     # 2. barrier in: the stores above (every thread's, ordered by the CTA barrier) are
     #    released with this rank's flag; the acquire of every rank's flag, handed on by
     #    the second CTA barrier, makes their copied tiles visible to every thread here.
+    if GPU_FENCE:
+        # Every thread fences its own copy-in at system scope first (peers read it over
+        # NVLink): the split AttnRes barrier read stale partials on the H200 with only a
+        # CTA barrier and one release atomic (kernels/attn_res.py); not risked here.
+        tl.inline_asm_elementwise("fence.acq_rel.sys;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     tl.debug_barrier()
     _put_flags(pad_ptrs, pid, rank, WORLD, WORLD_P2, "release")
     _wait_flags(pad_ptrs, pid, rank, WORLD, WORLD_P2, "acquire")
@@ -313,7 +320,7 @@ def one_shot_all_reduce_pair(routed: torch.Tensor, shared: torch.Tensor, peers: 
         n_x, latent, n_s, hidden, s_offset,
         channel_programs(peers.world, peers.pad_bytes),
         WORLD=peers.world, WORLD_P2=triton.next_power_of_2(peers.world), BLOCK=block,
-        num_warps=num_warps,
+        GPU_FENCE=routed.device.type == "cuda", num_warps=num_warps,
     )
     return routed_sum, shared_sum
 

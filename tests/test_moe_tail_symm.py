@@ -474,7 +474,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3fusion.kernels.moe_tail_symm import _one_shot_pair_kernel as k
 names = [p.name for p in k.params]
-const = dict(WORLD=WORLD, WORLD_P2=triton.next_power_of_2(WORLD), BLOCK=1024)
+const = dict(WORLD=WORLD, WORLD_P2=triton.next_power_of_2(WORLD), BLOCK=1024, GPU_FENCE=True)
 types = dict(buf_ptrs="*i64", pad_ptrs="*i64", s_ptr="*fp32", so_ptr="*fp32")
 sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
        for n in names}
@@ -511,6 +511,7 @@ def test_barrier_compiles_for_hopper(world):
     assert len(ops) == 4, ops
     assert "bar.sync" in done.stdout
     assert "ld.global.cg" in done.stdout
+    assert "fence.acq_rel.sys" in done.stdout  # every thread's copy-in, before its flag
 
 
 # ============================================================================ GPUs (NCCL)
