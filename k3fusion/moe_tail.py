@@ -391,7 +391,8 @@ _IMPLS = {
 
 
 def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w,
-                               norm_dtype: torch.dtype | None = None) -> None:
+                               norm_dtype: torch.dtype | None = None,
+                               weight_in_fp32: bool = False) -> None:
     """Validate a tail call; TypeError/ValueError naming the argument.
 
     ``routed_latent [..., L]`` and ``shared [..., H]`` with the same leading dims,
@@ -420,14 +421,18 @@ def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w,
                          f"routed_latent leading dims {tuple(routed_latent.shape[:-1])}")
     if shared.stride(-1) != 1 and hidden > 1:
         raise ValueError(f"shared must be contiguous in its last dim, got stride {shared.stride(-1)}")
+    if up_w.stride(-1) != 1 and latent > 1:  # a Linear weight is; every tier may assume it
+        raise ValueError(f"up_w must be contiguous in its last dim, got stride {up_w.stride(-1)}")
     if norm_dtype is not None and norm_dtype not in (torch.bfloat16, torch.float16,
                                                       torch.float32):
         raise TypeError(f"norm_dtype must be None or a float dtype, got {norm_dtype}")
-    normed = reference.rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, False, norm_dtype)
+    normed = reference.rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32,
+                                          norm_dtype)
     if not normed == up_w.dtype == shared.dtype:
         raise TypeError(
             f"dtypes must agree: rms_norm(routed_latent {routed_latent.dtype}, norm_w "
-            f"{norm_w.dtype}) gives {normed}, up_w is {up_w.dtype}, shared is {shared.dtype}")
+            f"{norm_w.dtype}, weight_in_fp32={weight_in_fp32}) gives {normed}, up_w is "
+            f"{up_w.dtype}, shared is {shared.dtype}")
 
 
 def run_latent_moe_tail(
@@ -445,7 +450,8 @@ def run_latent_moe_tail(
     donate_shared: bool = False,
 ) -> tuple[torch.Tensor, Tier]:
     """:func:`latent_moe_tail`, also returning the tier that ran."""
-    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype)
+    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype,
+                               weight_in_fp32)
     if norm_dtype is not None and weight_in_fp32:
         raise ValueError("norm_dtype applies to the cast-then-weight norm only "
                          "(weight_in_fp32=False)")

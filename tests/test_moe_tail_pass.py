@@ -335,3 +335,18 @@ def test_gloo_compiled_tail_equals_eager(world):
         assert res["compiled_err"] <= 1e-5, res
         assert res["leaky_matches"] == 0, res
         assert res["leaky_err"] == 0.0, res
+
+
+def test_op_dtype_rule_follows_weight_in_fp32_and_up_w_layout():
+    """bf16 latent, fp32 norm weight, weight-in-fp32: the normed latent is bf16, so a bf16
+    up_w is right (with cast-then-weight it would be fp32, and a bf16 up_w wrong); an
+    up_w that is not contiguous in its last dim is refused by name."""
+    r, x, _, nw, up = _inputs(dtype=torch.bfloat16)
+    nw32 = nw.float()
+    y = TAIL(r, x, nw32, 1e-6, up, None, True)
+    want = reference.latent_moe_tail(r, x, nw32, 1e-6, up, None, True)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="dtypes must agree"):
+        TAIL(r, x, nw32, 1e-6, up, None, False)
+    with pytest.raises(ValueError, match="up_w must be contiguous"):
+        TAIL(r, x, nw, 1e-6, up.t().contiguous().t(), None, False)

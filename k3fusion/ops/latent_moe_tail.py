@@ -37,10 +37,11 @@ def resolve_group(group_name: Optional[str]):
 
 
 def _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor,
-                norm_dtype=None) -> None:
+                norm_dtype=None, weight_in_fp32=False) -> None:
     from ..moe_tail import check_latent_moe_tail_args
 
-    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype)
+    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype,
+                               weight_in_fp32)
     _check_eps_tensor(eps_tensor, "eps_tensor")
     if group_name is not None and not isinstance(group_name, str):
         raise TypeError(f"group_name must be a str or None, got {type(group_name).__name__}")
@@ -79,7 +80,8 @@ def latent_moe_tail(
 @latent_moe_tail.register_fake
 def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
       eps_tensor=None, norm_dtype=None):
-    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype)
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
+                weight_in_fp32)
     dtype = _tail_out_dtype(routed_latent, shared, norm_w, up_w, weight_in_fp32, norm_dtype)
     return shared.new_empty(shared.shape, dtype=dtype)
 
@@ -88,7 +90,8 @@ def _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name, 
                           eps_tensor, norm_dtype=None):
     from .. import moe_tail
 
-    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype)
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
+                weight_in_fp32)
     eps = _eps_value(eps, eps_tensor, "eps_tensor")
     y = moe_tail.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
                                  resolve_group(group_name), weight_in_fp32=weight_in_fp32,
