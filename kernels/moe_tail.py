@@ -152,8 +152,7 @@ def _moe_tail_kernel(
                         other=0.0)
             x32 = x.to(tl.float32)
             sq += x32 * x32
-        # Padded rows: 0, not rsqrt(eps) (inf when eps == 0, and 0 * inf = NaN in the dot).
-        inv_rms = tl.where(row_mask, tl.rsqrt(tl.sum(sq, axis=1) / L + eps), 0.0)
+        inv_rms = _inv_rms(tl.sum(sq, axis=1), row_mask, L, eps)
 
     # ---- 2. stream this program's up_w tile over its K range.
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
