@@ -1,5 +1,5 @@
-"""Real multi-process torch.distributed on CPU (gloo) for the tests: spawn the ranks, run
-one function on each, and return what each rank returned."""
+"""Real multi-process torch.distributed for the tests: spawn the ranks (gloo on CPU, or
+NCCL with one GPU each), run one function on each, and return what each rank returned."""
 
 from __future__ import annotations
 
@@ -18,12 +18,20 @@ import torch
 __all__ = ["run_ranks"]
 
 
-def _entry(rank: int, world: int, port: int, out_path: str, body: Callable, args: tuple) -> None:
+def _entry(rank: int, world: int, port: int, out_path: str, body: Callable, args: tuple,
+           backend: str) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if backend == "nccl":
+        # NVLink multicast off (what the device machines need).
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank), **init)
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60), **init)
     ok = True
     try:
         result = body(rank, world, dist.group.WORLD, *args)
@@ -42,9 +50,11 @@ def _entry(rank: int, world: int, port: int, out_path: str, body: Callable, args
     os._exit(0 if ok else 1)
 
 
-def run_ranks(body: Callable, world: int, *args, timeout_s: float = 150.0) -> list:
-    """``body(rank, world, group, *args)`` on ``world`` spawned gloo ranks; their return
-    values in rank order. ``body`` must be a module-level function (it is pickled)."""
+def run_ranks(body: Callable, world: int, *args, timeout_s: float = 150.0,
+              backend: str = "gloo") -> list:
+    """``body(rank, world, group, *args)`` on ``world`` spawned ranks of ``backend`` ("gloo",
+    or "nccl": rank r on GPU r); their return values in rank order. ``body`` must be a
+    module-level function (it is pickled)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -53,7 +63,8 @@ def run_ranks(body: Callable, world: int, *args, timeout_s: float = 150.0) -> li
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank")
-        procs = [ctx.Process(target=_entry, args=(r, world, port, out_path, body, args))
+        procs = [ctx.Process(target=_entry, args=(r, world, port, out_path, body, args,
+                                                  backend))
                  for r in range(world)]
         for p in procs:
             p.start()

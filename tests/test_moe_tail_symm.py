@@ -24,13 +24,9 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 
 import pytest
 import torch
@@ -517,60 +513,11 @@ def test_barrier_compiles_for_hopper(world):
 # ============================================================================ GPUs (NCCL)
 
 
-def _nccl_entry(rank, world, port, out_path, body, args):
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=torch.device("cuda", rank))
-    ok = True
-    try:
-        result = body(rank, world, dist.group.WORLD, *args)
-        with open(f"{out_path}.{rank}", "wb") as f:
-            pickle.dump(result, f)
-    except BaseException:
-        traceback.print_exc()
-        ok = False
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if ok else 1)
-
-
 def _nccl_ranks(body, world, *args, timeout_s=600.0):
     """``body(rank, world, group, *args)`` on ``world`` spawned NCCL ranks (one GPU each)."""
-    import multiprocessing as mp
-
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "rank")
-        procs = [ctx.Process(target=_nccl_entry, args=(r, world, port, out_path, body, args))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        for i in hung:
-            procs[i].terminate()
-            procs[i].join(5)
-        assert not hung, f"ranks {hung} did not finish in {timeout_s}s"
-        codes = [p.exitcode for p in procs]
-        assert not any(codes), f"rank exit codes {codes} (see captured stderr)"
-        results = []
-        for r in range(world):
-            with open(f"{out_path}.{r}", "rb") as f:
-                results.append(pickle.load(f))
-        return results
+    return run_ranks(body, world, *args, timeout_s=timeout_s, backend="nccl")
 
 
 _GPU_LATENT, _GPU_HIDDEN = 3584, 7168
