@@ -78,6 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._fences import fence_gpu
 from ._launch import cdiv, check_launchable, counter_buffer, interpreter_enabled
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
@@ -235,8 +236,7 @@ def _token_barrier(counter_ptr, chunk, N_CHUNKS: tl.constexpr, EPOCH: tl.constex
     barrier hands that on. Measured: without the per-thread fence (a CTA barrier and a
     release atomic alone) programs read stale partial sums at T = 128 and 1000 on the
     H200 -- the GPU test comparing one launch with the phased launches catches it."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
+    fence_gpu()
     tl.debug_barrier()
     add = 1 + (chunk == 0).to(tl.int64) * (EPOCH - N_CHUNKS)
     old = tl.atomic_add(counter_ptr, add, sem="acq_rel", scope="gpu")

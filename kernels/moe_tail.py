@@ -68,7 +68,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, counter_buffer, interpreter_enabled
+from ._fences import fence_gpu
+from ._launch import (_kernels_are_interpreted, cdiv, counter_buffer,
+                      interpreter_enabled)
 
 __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_fused",
            "check_fused_tail_args"]
@@ -79,14 +81,6 @@ MAX_TOKENS = 64
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _fence_gpu():
-    # Make this thread's earlier stores visible GPU-wide (release) / order its later
-    # loads after what other programs released (acquire).
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
 
 
 @triton.jit
@@ -205,12 +199,12 @@ def _moe_tail_kernel(
         if SCALE_AFTER:  # this split's part of every row's sum of squares
             tl.store(sq_row_ptrs + pid_k * BLOCK_M, tl.sum(sq_k, axis=1))
         if GPU_FENCE:
-            _fence_gpu()
+            fence_gpu()
         tl.debug_barrier()  # every thread has stored (and fenced) before the one arrival
         arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last program of this column tile
             if GPU_FENCE:
-                _fence_gpu()
+                fence_gpu()
             tl.debug_barrier()
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             total_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -329,12 +323,6 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
 # ---------------------------------------------------------------------- arguments
 
 
-def _is_interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_moe_tail_kernel, InterpretedFunction)
-
-
 def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32=False,
                           norm_dtype=None) -> None:
     """Validate a direct kernel call; TypeError/ValueError naming the argument.
@@ -403,7 +391,7 @@ def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp
             raise ValueError(f"{name} is on {t.device} but routed_latent is on "
                              f"{routed_latent.device}")
     device = routed_latent.device
-    if device.type == "cuda" or (device.type == "cpu" and _is_interpreted()):
+    if device.type == "cuda" or (device.type == "cpu" and _kernels_are_interpreted()):
         return
     if device.type == "cpu" and interpreter_enabled():
         raise RuntimeError("TRITON_INTERPRET=1 was set after k3fusion.kernels.moe_tail was "

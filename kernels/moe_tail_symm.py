@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._fences import fence_system
 from ._launch import cdiv
 
 __all__ = ["MAX_PROGRAMS", "PeerBuffers", "channel_programs", "packed_layout",
@@ -178,8 +179,7 @@ def _one_shot_pair_kernel(
         # Every thread fences its own copy-in at system scope first (peers read it over
         # NVLink): the split AttnRes barrier read stale partials on the H200 with only a
         # CTA barrier and one release atomic (kernels/attn_res.py); not risked here.
-        tl.inline_asm_elementwise("fence.acq_rel.sys;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        fence_system()
     tl.debug_barrier()
     _put_flags(pad_ptrs, pid, rank, WORLD, WORLD_P2, "release")
     _wait_flags(pad_ptrs, pid, rank, WORLD, WORLD_P2, "acquire")

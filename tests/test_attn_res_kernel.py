@@ -28,6 +28,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from _ptx import run_compile_script
 from _tolerances import (assert_close_ulps, assert_matches_reference, dual_norm_tolerance,
                          ulp)
 from k3fusion import reference
@@ -681,20 +682,8 @@ def test_split_kernel_barrier_compiles_for_hopper() -> None:
     for sm_90 on any machine, and its PTX holds both barriers: a GPU-scope fence in every
     thread (without it the H200 read stale partial sums), an acq_rel arrival atomic and
     an acquire poll of the counter, each after a CTA barrier."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    try:
-        done = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True,
-                              text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.fail("compiling the split kernel for sm_90 took over 300 s")
-    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr:
-        pytest.skip("this triton has no ptxas")
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line.strip() for line in done.stdout.splitlines()]
+    ptx = run_compile_script(_PTX_CHECK, "the split kernel")
+    lines = [line.strip() for line in ptx.splitlines()]
     fences = [x for x in lines if x.startswith("fence.acq_rel.gpu")]
     # two arrivals and one departure (acq_rel adds), the departure's two resets to zero
     adds = [x for x in lines if "atom.global" in x and ".acq_rel" in x and ".gpu" in x

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import k3fusion
 from _kernel_paths import spy_on_launcher
+from _ptx import run_compile_script
 from _tolerances import assert_matches_reference, dual_norm_tolerance, ulp
 from k3fusion import moe_tail, reference
 from k3fusion.config import FusionConfig
@@ -644,17 +645,10 @@ def test_gpu_variants_compile_for_hopper():
     """The GPU-only code (the tensor-core dot, the split-K fences and counters, the
     scale-after epilogues) compiles for sm_90 on any machine: the interpreter never
     builds it."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.split("\n")
+    out = run_compile_script(_PTX_CHECK, "the fused tail kernel")
+    lines = out.split("\n")
     assert [x for x in lines if x] == ["1 True True True", "7 True True True",
-                                       "1 False True True", "4 False True True"], done.stdout
+                                       "1 False True True", "4 False True True"], out
 
 
 @pytest.mark.parametrize("scale_after", [False, True])

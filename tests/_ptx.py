@@ -1,0 +1,29 @@
+"""Compile GPU-only kernel code for Hopper (sm_90) on any machine, outside the Triton
+interpreter: how CPU tests check code the interpreter never builds (barriers, fences,
+tensor-core dots)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+__all__ = ["run_compile_script"]
+
+
+def run_compile_script(script: str, what: str, timeout_s: float = 300.0) -> str:
+    """Run ``script`` (Python that compiles with ``triton.compile`` and prints what the test
+    checks) in a fresh interpreter without ``TRITON_INTERPRET``; its stdout. Skips when
+    this triton has no ptxas; fails with the script's stderr otherwise."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"compiling {what} for sm_90 took over {timeout_s:.0f} s")
+    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr:
+        pytest.skip("this triton has no ptxas")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
