@@ -45,13 +45,16 @@ class FusionConfig:
     #: Latent-MoE tail: run the tiered tail (eager runner, and the graph pass when it
     #: lands); False runs the plain replicated tail everywhere.
     moe_tail: bool = True
-    #: TAIL_FUSION tier for 0 < tokens <= this, where a fused-tail kernel supports the
-    #: platform (``k3fusion.moe_tail``); 0 never selects it.
-    fused_tail_max_tokens: int = 16
+    #: TAIL_FUSION tier for 0 < tokens <= this, where a fused-tail implementation supports
+    #: the platform and its own measured limit admits T (``k3fusion.moe_tail``: the tp = 1
+    #: kernel stops at 16, the symmetric-memory one at 64); 0 never selects it.
+    fused_tail_max_tokens: int = 64
     #: ALLREDUCE_OVERLAP tier (shared-expert all-reduce on a side stream, replicated
     #: up-projection) for tokens <= this; above it COLUMN_PARALLEL. As vLLM's
-    #: ``VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD``.
-    shared_experts_stream_token_threshold: int = 256
+    #: ``VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD``. 0 by default: measured at tp = 2 on
+    #: two H200s (docs/benchmarks.md), column-parallel was faster at every T from 1 to
+    #: 16384 (55.6 against 66.5 us at T = 1, 127.7 against 136.0 at 256).
+    shared_experts_stream_token_threshold: int = 0
     #: Never select ALLREDUCE_OVERLAP (as vLLM's ``VLLM_DISABLE_SHARED_EXPERTS_STREAM``).
     disable_shared_experts_stream: bool = False
     #: Force one latent-MoE tail tier ("auto" selects by token count): "tail_fusion",

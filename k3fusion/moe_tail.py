@@ -10,7 +10,7 @@ they differ in where the up-projection FLOPs and the collectives go:
     where a registered implementation supports the platform and tp
     (:func:`register_tail_fusion`). Importing this module registers ``"triton"``
     (``k3fusion.kernels.moe_tail``: CUDA, tp = 1, ``0 < T <= MAX_TOKENS`` = 64; selection
-    still stops at ``fused_tail_max_tokens``). None is registered for CPU, so there it
+    stops at its measured ``select_max_tokens`` = 16, and at ``fused_tail_max_tokens``). None is registered for CPU, so there it
     is never selected and forcing it is an error (the kernel itself runs on CPU in
     Triton's interpreter, called directly, for tests).
 ``ALLREDUCE_OVERLAP``
@@ -35,10 +35,16 @@ partial and reduced sums. Rules, in order (``config`` is :class:`k3fusion.Fusion
 1. a forced tier (the ``tier`` argument, else ``config.moe_tail_tier``) is used if it is
    available and raises :class:`TierUnavailableError` otherwise;
 2. ``config.moe_tail`` off -> ``REPLICATED``;
-3. ``0 < T <= fused_tail_max_tokens`` and ``TAIL_FUSION`` available -> ``TAIL_FUSION``;
+3. ``0 < T <= fused_tail_max_tokens`` and ``TAIL_FUSION`` available, with an
+   implementation whose ``select_max_tokens`` admits T -> ``TAIL_FUSION``;
 4. ``T <= shared_experts_stream_token_threshold`` and not
    ``disable_shared_experts_stream`` -> ``ALLREDUCE_OVERLAP``;
-5. ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
+5. tp = 1: ``REPLICATED`` (nothing to split, no all-reduce: the plain form, bit for bit
+   the reference); tp > 1: ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
+
+The defaults come from measurements (``docs/benchmarks.md``): the overlap threshold is 0
+because column-parallel was faster at every T at tp = 2 on two H200s, and each fused-tail
+implementation stops at its own crossover (``select_max_tokens``).
 
 Collectives are ``torch.distributed._functional_collectives`` (``_c10d_functional.
 all_reduce`` + ``wait_tensor`` in a trace), so every tier also traces under
@@ -105,12 +111,16 @@ class TailFusionImpl:
     returns ``[T, H]`` and must not modify its inputs. ``device_types``: the device types
     (``"cuda"``, ...) it is for, None for any; an implementation is not asked about other
     devices (so a CPU call reports that none is registered for ``'cpu'``).
+    ``select_max_tokens``: the largest T at which automatic selection picks it -- its
+    measured crossover against the other tiers (None: up to ``fused_tail_max_tokens``);
+    it still runs any T its ``supports`` accepts when the tier is forced.
     """
 
     name: str
     supports: Callable[[int, int, int, torch.device], Optional[str]]
     run: Callable[..., torch.Tensor]
     device_types: Optional[tuple[str, ...]] = None
+    select_max_tokens: Optional[int] = None
 
 
 _TAIL_FUSION_IMPLS: list[TailFusionImpl] = []
@@ -124,6 +134,9 @@ def register_tail_fusion(impl: TailFusionImpl) -> None:
     if types is not None and (not isinstance(types, tuple)
                               or not all(isinstance(t, str) for t in types)):
         raise TypeError(f"device_types must be None or a tuple of device type names, got {types!r}")
+    most = impl.select_max_tokens
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 0):
+        raise TypeError(f"select_max_tokens must be None or an int >= 0, got {most!r}")
     if any(i.name == impl.name for i in _TAIL_FUSION_IMPLS):
         raise ValueError(f"a tail-fusion implementation named {impl.name!r} is registered already")
     _TAIL_FUSION_IMPLS.append(impl)
@@ -142,8 +155,10 @@ def tail_fusion_impls() -> tuple[TailFusionImpl, ...]:
     return tuple(_TAIL_FUSION_IMPLS)
 
 
-def _tail_fusion_impl(tokens: int, hidden: int, tp: int, device: torch.device):
-    """(the first implementation supporting the call, None) or (None, why none does)."""
+def _tail_fusion_impl(tokens: int, hidden: int, tp: int, device: torch.device,
+                      selecting: bool = False):
+    """(the first implementation supporting the call, None) or (None, why none does).
+    ``selecting``: automatic selection, which also honours each one's ``select_max_tokens``."""
     candidates = [i for i in _TAIL_FUSION_IMPLS
                   if i.device_types is None or device.type in i.device_types]
     if not candidates:
@@ -154,6 +169,10 @@ def _tail_fusion_impl(tokens: int, hidden: int, tp: int, device: torch.device):
     whys = []
     for impl in candidates:
         why = impl.supports(tokens, hidden, tp, device)
+        if why is None and selecting and impl.select_max_tokens is not None \
+                and tokens > impl.select_max_tokens:
+            why = (f"T={tokens} is above its select_max_tokens={impl.select_max_tokens} "
+                   "(where the other tiers were measured faster)")
         if why is None:
             return impl, None
         whys.append(f"{impl.name}: {why}")
@@ -226,7 +245,7 @@ def _select(tokens, hidden, tp, device, config: FusionConfig | None, force) -> t
     if not config.moe_tail:
         return Tier.REPLICATED, "moe_tail is off (K3FUSION_MOE_TAIL=0)"
     if 0 < tokens <= config.fused_tail_max_tokens:
-        why = tier_unavailable_reason(Tier.TAIL_FUSION, tokens, hidden, tp, device)
+        why = _tail_fusion_impl(tokens, hidden, tp, device, selecting=True)[1]
         if why is None:
             return Tier.TAIL_FUSION, f"0 < T <= fused_tail_max_tokens={config.fused_tail_max_tokens}"
         small = f"tail_fusion unavailable ({why}); "
@@ -237,6 +256,10 @@ def _select(tokens, hidden, tp, device, config: FusionConfig | None, force) -> t
         return Tier.ALLREDUCE_OVERLAP, f"{small}T <= shared_experts_stream_token_threshold={threshold}"
     big = ("shared-experts stream disabled" if config.disable_shared_experts_stream
            else f"T > shared_experts_stream_token_threshold={threshold}")
+    if tp == 1:
+        # No all-reduce to save and no columns to split: the plain form (the reference's
+        # own op sequence) costs the same as a one-shard addmm_ and is bit-identical.
+        return Tier.REPLICATED, f"{small}{big}; tp=1"
     why = tier_unavailable_reason(Tier.COLUMN_PARALLEL, tokens, hidden, tp, device)
     if why is None:
         return Tier.COLUMN_PARALLEL, f"{small}{big}"
@@ -540,4 +563,11 @@ def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_d
                   norm_dtype=norm_dtype)
 
 
-register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",)))
+#: Largest T at which selection picks the tp = 1 kernel: measured on the H200 (bf16,
+#: L = 3584, H = 7168; docs/benchmarks.md) it is 1.15-1.2x faster than default Inductor's
+#: norm + cuBLAS addmm up to T = 8 and at parity by T = 16 (cuBLAS's GEMM gets faster as T
+#: grows; the kernel does not).
+TRITON_SELECT_MAX_TOKENS = 16
+
+register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",),
+                                    select_max_tokens=TRITON_SELECT_MAX_TOKENS))

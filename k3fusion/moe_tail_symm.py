@@ -69,8 +69,14 @@ log = logging.getLogger("k3fusion")
 IMPL_NAME = "symm_mem"
 
 #: Largest T: the workspace holds this many rows (the single-GPU kernel's limit too).
-#: Selection additionally stops at ``FusionConfig.fused_tail_max_tokens`` (16).
+#: Selection additionally stops at ``FusionConfig.fused_tail_max_tokens`` (64).
 MAX_TOKENS = 64
+
+#: Largest T at which selection picks it: measured at tp = 2 on two H200s
+#: (``k3fusion.bench.moe_tail_tp``, docs/benchmarks.md) it beats the fastest NCCL tier at
+#: every T up to its buffer's 64 rows (29.5 against 55.6 us at T = 1, 60.0 against 70.7
+#: at 64).
+SELECT_MAX_TOKENS = 64
 
 #: Signal-pad size assumed when torch does not report it (its smallest default).
 _DEFAULT_PAD_BYTES = 2048
@@ -434,7 +440,8 @@ def enable_symm_mem_tail() -> bool:
     group must make the same choice, or ranks would select different tiers."""
     if symm_mem_tail_enabled():
         return False
-    register_tail_fusion(TailFusionImpl(IMPL_NAME, supports, _run, ("cuda",)))
+    register_tail_fusion(TailFusionImpl(IMPL_NAME, supports, _run, ("cuda",),
+                                        select_max_tokens=SELECT_MAX_TOKENS))
     return True
 
 

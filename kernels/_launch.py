@@ -58,13 +58,15 @@ _retired: list[torch.Tensor] = []
 
 def counter_buffer(name: str, device: torch.device, size: int, dtype: torch.dtype) -> torch.Tensor:
     """Zeroed counters for a kernel whose programs synchronize through global atomics and
-    that leaves every counter at zero when it finishes (its contract with this cache).
+    that leaves every counter in a state any later launch accepts, zero included (its
+    contract with this cache): the fused tail's arrival counters go back to zero, the
+    AttnRes barrier counters stay at a multiple of their epoch.
 
     Cached per (name, device, stream): launches on one stream are serialized, two streams
     never share counters. Grown only outside a CUDA-graph capture; replaced buffers stay
     alive, since a captured graph may still use them. Inside a capture, a cached buffer
-    that is large enough is used (it is zero: it was zeroed eagerly and every launch
-    leaves it at zero); otherwise this launch gets a fresh zeroed buffer of its own (its
+    that is large enough is used (it was zeroed eagerly and every launch leaves it in a
+    valid start state); otherwise this launch gets a fresh zeroed buffer of its own (its
     zeroing is captured with it) that is not cached -- never a cache entry whose zeroing
     would only happen when one particular graph replays.
     """

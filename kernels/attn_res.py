@@ -42,10 +42,12 @@ code compiles out):
 The split kernel's barrier: programs of one token add to that token's int64 counter in
 ``sync``; the adds of one exchange total exactly ``SYNC_EPOCH`` (chunk 0 adds
 ``SYNC_EPOCH - (n - 1)``, the others 1), so the counter is a multiple of ``SYNC_EPOCH``
-between the exchanges of a launch, and each program waits for the next multiple. After
-its last wait each program departs on a second counter; the last to depart returns both
-to zero, so every launch leaves the buffer zero (CUDA-graph replays included; see
-``_launch.counter_buffer``). Requirements: all programs of a token must be resident together (a token's programs
+between the exchanges of a launch, and each program waits for the next multiple. So a
+launch leaves every counter at a multiple of ``SYNC_EPOCH`` -- a valid start for the next
+launch, whatever it was before (zero, as a fresh buffer is, included); nothing is reset,
+which would cost every program one more atomic round trip at its end (a departure counter
+did: 6.6 -> 8.1 us at T = 1 on the H200). CUDA-graph replays in any order are fine for the
+same reason (``_launch.counter_buffer``). Requirements: all programs of a token must be resident together (a token's programs
 are adjacent in the grid and blocks are dispatched in order, so earlier tokens always
 finish; split launches are small anyway), and two launches must not use one counter
 concurrently (one buffer per device and stream). Under Triton's CPU interpreter programs
@@ -83,25 +85,29 @@ from ._launch import cdiv, check_launchable, counter_buffer, interpreter_enabled
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
-           "SPLIT_CHUNK", "SPLIT_MAX_PROGRAMS", "SPLIT_MAX_SOURCES"]
+           "SPLIT_CHUNK", "SPLIT_MAX_PROGRAMS", "SPLIT_MAX_SOURCES", "PREFILL_LOOP_STAGES"]
 
 #: From this many tokens on, the row kernel uses its prefill shape. Measured on the H200
-#: (bf16, H = 7168, 9 sources; docs/benchmarks.md): 4x16 best up to T = 512, 2x4 from 4096.
-PREFILL_TOKENS = 1024
+#: (bf16, H = 7168, 9 sources; docs/benchmarks.md): the decode shape 4x16 (unpipelined)
+#: best up to T = 128 (8.94 us at 32, 11.70 at 128), the pipelined prefill shape 1x8 from
+#: T = 512 (30.78 us against 35.81; 206.6 against 241.5 at 4096).
+PREFILL_TOKENS = 512
 #: Sources per tile of the row kernel's decode shape.
 DECODE_SOURCES_PER_TILE = 4
-#: Sources per tile of the row kernel's prefill shape.
-PREFILL_SOURCES_PER_TILE = 2
+#: Sources per tile of the row kernel's prefill shape: one source row per loop step ...
+PREFILL_SOURCES_PER_TILE = 1
+#: ... software-pipelined three deep (two rows in flight while one is reduced).
+PREFILL_LOOP_STAGES = 3
 #: Up to this many tokens the split kernel runs. Measured on the H200 (bf16, H = 7168, 9
 #: sources, docs/benchmarks.md): split 6.50 us vs row 7.10 at T = 1, 6.69 vs 7.57 at 8;
 #: at 16 the split kernel took 9.18 us where the row kernel takes 8.83 at 32 already,
 #: and from 128 on it loses by far (the barrier exchanges cost each token ~2 us, which
 #: many tokens no longer hide).
 SPLIT_MAX_TOKENS = 8
-#: Columns per program of the split kernel (14 programs per 7168-wide token) ...
-SPLIT_CHUNK = 512
-#: ... and warps: 512 x 4 was within 0.6 us of the best at T = 1 and 8 (512 x 2:
-#: 0.1 us faster, and the shape at which the barrier's ordering bug showed up first).
+#: Columns per program of the split kernel (7 programs per 7168-wide token) ...
+SPLIT_CHUNK = 1024
+#: ... and warps: 1024 x 4 was the fastest or within 0.1 us of it at T = 1 and 8 in the
+#: final barrier's sweep (7.03 / 6.64 us; 512 x 4: 7.61 / 6.69; H200, docs/benchmarks.md).
 SPLIT_NUM_WARPS = 4
 #: Most programs one split launch may have (forced launches included): a token's programs
 #: must be resident together while they wait at the barrier; in-order dispatch keeps that
@@ -164,6 +170,7 @@ def _attn_res_kernel(
     H, eps, out_eps,
     BLOCK_H: tl.constexpr,
     SOURCES_PER_TILE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     WRITE_BLOCK: tl.constexpr,
     HAS_OUT_NORM: tl.constexpr,
@@ -195,7 +202,10 @@ def _attn_res_kernel(
         den = tl.full([], 1.0, tl.float32)
         acc = v
         srcs = tl.arange(0, SOURCES_PER_TILE)
-        for s0 in range(0, num_blocks, SOURCES_PER_TILE):
+        # LOOP_STAGES > 1: the next tiles' loads are in flight (cp.async into shared
+        # memory) while this one is reduced; a plain loop waits a full HBM round trip
+        # per tile (a loop without a dot is not pipelined by default).
+        for s0 in tl.range(0, num_blocks, SOURCES_PER_TILE, num_stages=LOOP_STAGES):
             s = s0 + srcs
             smask = s < num_blocks
             x = tl.load(
@@ -252,18 +262,6 @@ def _token_barrier(counter_ptr, chunk, N_CHUNKS: tl.constexpr, EPOCH: tl.constex
     return (seen >> 62).to(tl.int32)
 
 
-@triton.jit
-def _token_depart(counter_ptr, departed_ptr, N_CHUNKS: tl.constexpr):
-    """After a program's last wait: the token's last program to depart returns both of its
-    counters to zero (every program is past every wait by then), so each launch leaves
-    the buffer as it found it -- zero (``_launch.counter_buffer``'s contract)."""
-    tl.debug_barrier()
-    departed = tl.atomic_add(departed_ptr, 1, sem="acq_rel", scope="gpu")
-    if departed == N_CHUNKS - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(departed_ptr, 0, sem="relaxed", scope="gpu")
-
-
 @triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
 def _attn_res_split_kernel(
     prefix_ptr, prefix_stride,
@@ -306,7 +304,6 @@ def _attn_res_split_kernel(
     ks = tl.arange(0, N_CHUNKS_PAD)
     kmask = ks < N_CHUNKS
     counter = sync_ptr + tok
-    departed = sync_ptr + tl.num_programs(1) + tok  # the second half of the buffer
 
     if PHASE >= 2:
         # An earlier launch updated the prefix (prefix_out holds the rounded row).
@@ -377,8 +374,6 @@ def _attn_res_split_kernel(
             else:
                 _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
                               out_norm_w_ptr + cols, 0.0, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
-        if PHASE == 0:  # this branch passed at least one barrier
-            _token_depart(counter, departed, N_CHUNKS)
 
 
 # ---------------------------------------------------------------------- launch
@@ -394,11 +389,14 @@ class LaunchShape:
     block_h: int
     sources_per_tile: int = 0
     chunk: int = 0
+    #: Row kernel: software-pipeline depth of its source loop (1: not pipelined).
+    loop_stages: int = 1
 
 
 def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | None = None,
                       sources_per_tile: int = 0, num_warps: int = 0, kind: str = "auto",
-                      chunk: int = 0, split_max_tokens: int | None = None) -> LaunchShape:
+                      chunk: int = 0, split_max_tokens: int | None = None,
+                      loop_stages: int = 0) -> LaunchShape:
     """Launch shape for ``T`` tokens of width ``H`` with ``num_blocks`` completed blocks.
 
     * split kernel for ``T <= split_max_tokens`` (default :data:`SPLIT_MAX_TOKENS`) and
@@ -406,7 +404,8 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
       (no wider than the row), :data:`SPLIT_NUM_WARPS` warps;
     * else the row kernel: decode shape (T < ``prefill_tokens``, default
       :data:`PREFILL_TOKENS`) :data:`DECODE_SOURCES_PER_TILE` sources per tile, 64 tile
-      elements per thread; prefill shape :data:`PREFILL_SOURCES_PER_TILE`, 128 per thread;
+      elements per thread, source loop not pipelined; prefill shape
+      :data:`PREFILL_SOURCES_PER_TILE`, 32 per thread, :data:`PREFILL_LOOP_STAGES` deep;
       never more sources per tile than there are sources (rounded up to a power of two).
 
     ``num_blocks`` is a runtime argument of both kernels: it only picks among these
@@ -442,13 +441,18 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
     if sources_per_tile & (sources_per_tile - 1):
         raise ValueError(f"sources_per_tile must be a power of two, got {sources_per_tile}")
     if num_warps <= 0:
-        # Measured: decode wants many threads in flight (64 tile elements per thread),
-        # prefill fewer, fatter programs (128 per thread) so more tokens are resident.
-        per_thread = 4096 if prefill else 2048
+        # Measured: decode wants many threads in flight (64 tile elements per thread);
+        # prefill one source row per step over 8 warps (32 per thread), pipelined.
+        per_thread = 1024 if prefill else 2048
         num_warps = max(1, min(16, sources_per_tile * block_h // per_thread))
     if num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two, got {num_warps}")
-    return LaunchShape("row", num_warps, block_h, sources_per_tile=sources_per_tile)
+    if isinstance(loop_stages, bool) or not isinstance(loop_stages, int) or loop_stages < 0:
+        raise ValueError(f"loop_stages must be an int >= 0 (0: automatic), got {loop_stages!r}")
+    if loop_stages == 0:
+        loop_stages = PREFILL_LOOP_STAGES if prefill else 1
+    return LaunchShape("row", num_warps, block_h, sources_per_tile=sources_per_tile,
+                       loop_stages=loop_stages)
 
 
 def attn_res(
@@ -473,6 +477,7 @@ def attn_res(
     chunk: int = 0,
     split_max_tokens: int | None = None,
     split_phases: bool = False,
+    loop_stages: int = 0,
 ) -> None:
     """Launch the AttnRes kernel on row views.
 
@@ -508,7 +513,8 @@ def attn_res(
         raise ValueError(f"block_write_idx {block_write_idx} outside [{num_blocks}, {nb_max})")
     shape = pick_launch_shape(T, H, num_blocks, prefill_tokens=prefill_tokens,
                               sources_per_tile=sources_per_tile, num_warps=num_warps,
-                              kind=kind, chunk=chunk, split_max_tokens=split_max_tokens)
+                              kind=kind, chunk=chunk, split_max_tokens=split_max_tokens,
+                              loop_stages=loop_stages)
     has_delta = delta is not None
     has_norm = out_norm_w is not None
     common = (
@@ -526,7 +532,7 @@ def attn_res(
     if shape.kind == "row":
         _attn_res_kernel[(T,)](*common, H, float(eps), float(out_eps),
                                BLOCK_H=shape.block_h, SOURCES_PER_TILE=shape.sources_per_tile,
-                               **flags)
+                               LOOP_STAGES=shape.loop_stages, **flags)
         return
     n_chunks = cdiv(H, shape.chunk)
     if T > SPLIT_MAX_GRID_Y:
@@ -542,8 +548,8 @@ def attn_res(
     partials = torch.empty((T, n_chunks_pad, 2 * s_pad + 1), dtype=torch.float32,
                            device=prefix.device)
     interpreted = prefix.device.type == "cpu" and interpreter_enabled()
-    # Per token: its barrier counter, then (second half) its departure counter.
-    sync = partials if interpreted else counter_buffer("attn_res", prefix.device, 2 * T,
+    # Per token: its barrier counter (left at a multiple of SYNC_EPOCH by every launch).
+    sync = partials if interpreted else counter_buffer("attn_res", prefix.device, T,
                                                        torch.int64)
     split = dict(CHUNK=shape.chunk, N_CHUNKS=n_chunks, N_CHUNKS_PAD=n_chunks_pad, S_PAD=s_pad,
                  **flags)

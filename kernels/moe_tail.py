@@ -120,6 +120,7 @@ def _moe_tail_kernel(
     NORM_BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
+    SWAP_AB: tl.constexpr,      # accumulate out.T = up_w_tile @ h.T (weights as the M side)
     WEIGHT_IN_FP32: tl.constexpr,
     NORM_DTYPE: tl.constexpr,   # cast-then-weight: the normalized row's dtype
     DOT_IN_FP32: tl.constexpr,
@@ -154,7 +155,10 @@ def _moe_tail_kernel(
     up_rows = up_ptr + cols.to(tl.int64)[:, None] * up_stride
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, L)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq_k = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # SCALE_AFTER only
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -179,11 +183,21 @@ def _moe_tail_kernel(
         # The GEMM input the reference hands cuBLAS: h in up_w's dtype.
         a = h.to(up_ptr.dtype.element_ty)
         b = tl.load(up_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_IN_FP32:
+        if SWAP_AB:
+            # Weight rows as the dot's M side (>= 64: Hopper's wgmma reads them straight
+            # from shared memory), the few token rows as its N side.
+            if DOT_IN_FP32:
+                acc = tl.dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), acc,
+                             input_precision="ieee")
+            else:
+                acc = tl.dot(b, tl.trans(a), acc)
+        elif DOT_IN_FP32:
             acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
                          input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b), acc)  # 16-bit operands, fp32 accumulation
+    if SWAP_AB:
+        acc = tl.trans(acc)
 
     out_mask = row_mask[:, None] & col_mask[None, :]
     # ---- 3. epilogue.
@@ -239,6 +253,8 @@ class LaunchConfig:
     #: Scale the accumulator by 1/rms instead of the GEMM input (no norm prologue; the
     #: GEMM input is round(x * w)); off by default until measured on a GPU.
     scale_after: bool = False
+    #: Compute ``out.T = up_w_tile @ h.T``: the weight tile is the dot's M side.
+    swap_ab: bool = False
 
 
 _num_sms_cache: dict[int, int] = {}
@@ -268,7 +284,9 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     Measured (H200, bf16, L = 3584, H = 7168; ``--sweep``, docs/benchmarks.md): 64-column
     tiles (112 programs) without split-K, ``block_k`` 256, 4 warps, 4 stages were fastest
     at T = 1, 8 and 16 (18.3-19.1 us against 23.7-24.2 for 32-column tiles); ``norm_block_k``
-    512 there (8K prologue elements: 64 fp32 accumulators per thread at 4 warps). Wider tiles mean fewer programs, each re-reading the token rows in its prologue
+    512 there (8K prologue elements: 64 fp32 accumulators per thread at 4 warps). 16-bit
+    weights take the ``swap_ab`` operand order (2-3% faster; scale-after and split-K forms
+    were slower at every T, 20.5-28 us). Wider tiles mean fewer programs, each re-reading the token rows in its prologue
     once for more weight columns, and more weight bytes in flight per program. Below 64
     tiles (small ``H``) split-K fills the SMs. fp32 weights: ``block_k`` 64 (their dot
     runs on FMA units, not tensor cores), 3 stages.
@@ -282,9 +300,19 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     split_k = 1
     if tiles < 64:
         split_k = max(1, min(8, cdiv(num_sms, tiles), cdiv(latent, block_k)))
+    # swap_ab: the weight tile as the dot's M side -- 17.90 / 18.51 us against 18.37 /
+    # 18.88 at T = 1 / 16 (H200, same shape otherwise; docs/benchmarks.md). Measured at
+    # BLOCK_M = 16 only (T <= 16), and only for tiles whose pipeline fits (_resolve_config).
     return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4,
                         num_stages=4 if two_byte else 3, split_k=split_k,
-                        norm_block_k=norm_block_k)
+                        norm_block_k=norm_block_k,
+                        swap_ab=two_byte and _block_m(tokens) == 16)
+
+
+#: Most bytes of weight-tile pipeline stages for which the automatic choice swaps the dot's
+#: operands (the H200 has 227 KiB of shared memory per block; the rest is for the token
+#: tiles and the epilogue).
+SWAP_AB_SMEM_BYTES = 160 * 1024
 
 
 def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
@@ -300,7 +328,8 @@ def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
 
 
 def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
-                    num_stages=0, split_k=0, norm_block_k=0, scale_after=None) -> LaunchConfig:
+                    num_stages=0, split_k=0, norm_block_k=0, scale_after=None,
+                    swap_ab=None) -> LaunchConfig:
     _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
     _check_option("block_k", block_k, power_of_two=True, low=16, high=1024)
     _check_option("norm_block_k", norm_block_k, power_of_two=True, low=16, high=8192)
@@ -313,11 +342,19 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     k_blocks = cdiv(latent, block_k)
     split = split_k or auto.split_k
     split = cdiv(k_blocks, cdiv(k_blocks, split))
-    return LaunchConfig(block_n=block_n or auto.block_n, block_k=block_k,
+    block_n = block_n or auto.block_n
+    num_stages = num_stages or auto.num_stages
+    if swap_ab is None:
+        # The swapped dot keeps every pipeline stage of the weight tile in shared memory
+        # (wgmma reads its M side from there): where that would not fit, do not swap.
+        item = torch.empty((), dtype=dtype).element_size()
+        swap_ab = auto.swap_ab and block_n * block_k * item * num_stages <= SWAP_AB_SMEM_BYTES
+    return LaunchConfig(block_n=block_n, block_k=block_k,
                         num_warps=num_warps or auto.num_warps,
-                        num_stages=num_stages or auto.num_stages, split_k=split,
+                        num_stages=num_stages, split_k=split,
                         norm_block_k=norm_block_k or auto.norm_block_k,
-                        scale_after=auto.scale_after if scale_after is None else scale_after)
+                        scale_after=auto.scale_after if scale_after is None else scale_after,
+                        swap_ab=swap_ab)
 
 
 # ---------------------------------------------------------------------- arguments
@@ -418,6 +455,7 @@ def latent_moe_tail_fused(
     split_k: int = 0,
     norm_block_k: int = 0,
     scale_after: bool | None = None,
+    swap_ab: bool | None = None,
     norm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
@@ -427,8 +465,9 @@ def latent_moe_tail_fused(
     modified). Launch options of 0 (``scale_after``: None) take
     :func:`pick_launch_config`'s choice.
     """
-    if scale_after is not None and not isinstance(scale_after, bool):
-        raise TypeError(f"scale_after must be a bool or None, got {type(scale_after).__name__}")
+    for name, flag in (("scale_after", scale_after), ("swap_ab", swap_ab)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
     check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32, norm_dtype)
     if scale_after and up_w.dtype == torch.float16:
         # It rounds the *unnormalized* x * w to up_w's dtype: fp16's range (65504) is
@@ -437,7 +476,8 @@ def latent_moe_tail_fused(
     tokens, latent = routed_latent.shape
     hidden = up_w.shape[0]
     cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
-                          block_k, num_warps, num_stages, split_k, norm_block_k, scale_after)
+                          block_k, num_warps, num_stages, split_k, norm_block_k, scale_after,
+                          swap_ab)
     out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
         return out
@@ -471,6 +511,7 @@ def latent_moe_tail_fused(
         NORM_BLOCK_K=cfg.norm_block_k,
         SPLIT_K=cfg.split_k,
         SCALE_AFTER=cfg.scale_after,
+        SWAP_AB=cfg.swap_ab,
         WEIGHT_IN_FP32=bool(weight_in_fp32),
         NORM_DTYPE=_TL_DTYPES[routed_latent.dtype if norm_dtype is None else norm_dtype],
         DOT_IN_FP32=interpreted or up_w.dtype == torch.float32,

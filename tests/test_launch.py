@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from k3fusion.kernels import _launch
@@ -18,3 +19,63 @@ def test_counter_buffer_is_cached_zeroed_and_never_freed_when_grown():
     # A captured CUDA graph may still hold the old address: it stays alive.
     assert any(r is a for r in _launch._retired)
     assert _launch.counter_buffer("test", cpu, 5, torch.int64) is b
+
+
+def _split_attn_res_step(tokens: int, seed: int):
+    """Inputs and a launch of the split AttnRes kernel (it waits at a counter barrier)."""
+    from k3fusion.kernels.attn_res import attn_res
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, blocks = 1536, 4
+    dt = torch.bfloat16
+    args = dict(prefix=torch.randn(tokens, h, device="cuda", generator=g).to(dt),
+                blocks=torch.randn(tokens, blocks + 1, h, device="cuda", generator=g).to(dt),
+                norm_w=(1 + 0.1 * torch.randn(h, device="cuda", generator=g)).to(dt),
+                proj_w=(torch.randn(h, device="cuda", generator=g) / h**0.5).to(dt),
+                out_norm_w=(1 + 0.1 * torch.randn(h, device="cuda", generator=g)).to(dt))
+    out = torch.empty(tokens, h, device="cuda", dtype=dt)
+
+    def step():
+        attn_res(args["prefix"], args["blocks"], blocks, args["norm_w"], args["proj_w"], 1e-6,
+                 out, out_norm_w=args["out_norm_w"], kind="split", chunk=256)
+        return out
+    return step
+
+
+def _split_k_tail_step(tokens: int, seed: int):
+    """Inputs and a launch of the split-K fused tail (the last program per tile resets a
+    counter)."""
+    from k3fusion.kernels.moe_tail import latent_moe_tail_fused
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    latent, hidden, dt = 1024, 512, torch.bfloat16
+    x = torch.randn(tokens, latent, device="cuda", generator=g).to(dt)
+    s = torch.randn(tokens, hidden, device="cuda", generator=g).to(dt)
+    w = (1 + 0.1 * torch.randn(latent, device="cuda", generator=g)).to(dt)
+    up = (torch.randn(hidden, latent, device="cuda", generator=g) / latent**0.5).to(dt)
+    return lambda: latent_moe_tail_fused(x, s, w, 1e-6, up, split_k=4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("make_step", [_split_attn_res_step, _split_k_tail_step],
+                         ids=["attn_res_split", "moe_tail_split_k"])
+def test_two_graphs_on_one_stream_replay_in_any_order(make_step):
+    """Two graphs captured on one stream share the stream's counter buffer; every launch
+    leaves it zero, so replaying the second graph first (and then alternating) gives each
+    graph's eager result exactly -- no launch depends on which one ran before."""
+    steps = [make_step(4, seed) for seed in (1, 2)]
+    want = [step().clone() for step in steps]  # eager, and the buffers exist before capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graphs, outs = [], []
+    with torch.cuda.stream(stream):
+        for step in steps:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs.append(step())
+            graphs.append(graph)
+    for order in ((1, 0), (0, 1), (1, 1, 0, 0)):
+        for i in order:
+            graphs[i].replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[i], want[i]), f"graph {i} in order {order}"

@@ -187,6 +187,7 @@ LAUNCH = st.fixed_dictionaries({
     "num_stages": st.sampled_from([0, 2]),
     "norm_block_k": st.sampled_from([0, 16, 64]),
     "scale_after": st.sampled_from([None, False, True]),
+    "swap_ab": st.sampled_from([None, False, True]),
 })
 
 
@@ -303,6 +304,16 @@ def test_split_k_is_deterministic_and_leaves_counters_at_zero():
 def test_launch_config_heuristic():
     cfg = kernel_mod.pick_launch_config(4, 7168, 3584, torch.bfloat16, 132)
     assert (cfg.block_n, cfg.split_k) == (64, 1)  # the H200 sweep's best: 112 column tiles
+    assert cfg.swap_ab and not cfg.scale_after  # measured best operand order for 16-bit
+    assert not kernel_mod.pick_launch_config(4, 7168, 3584, torch.float32, 132).swap_ab
+    assert not kernel_mod.pick_launch_config(17, 7168, 3584, torch.bfloat16, 132).swap_ab
+    # ... and not where its weight-tile stages would not fit in shared memory
+    cpu = torch.device("cpu")
+    big = kernel_mod._resolve_config(4, 7168, 3584, torch.bfloat16, cpu, block_n=128)
+    assert not big.swap_ab and big.block_n * big.block_k * 2 * big.num_stages > \
+        kernel_mod.SWAP_AB_SMEM_BYTES
+    assert kernel_mod._resolve_config(4, 7168, 3584, torch.bfloat16, cpu, block_n=128,
+                                      swap_ab=True).swap_ab  # forced: as asked
     small = kernel_mod.pick_launch_config(4, 512, 3584, torch.bfloat16, 132)
     assert small.block_n == 64 and small.split_k == 8  # 8 tiles: split K to reach the SMs
     assert kernel_mod.pick_launch_config(1, 64, 20, torch.float32).block_k == 32
@@ -405,13 +416,14 @@ def test_cpu_has_no_fused_tail():
     why = moe_tail.tier_unavailable_reason("tail_fusion", 4, 64, 1, "cpu")
     assert "'cpu'" in why and "none is registered for 'cpu'" in why and "triton (cuda)" in why
     assert Tier.TAIL_FUSION not in moe_tail.available_tiers(4, 64, 1, "cpu")
-    assert moe_tail.select_tier(4, 64, 1, "cpu") is Tier.ALLREDUCE_OVERLAP
+    assert moe_tail.select_tier(4, 64, 1, "cpu") is Tier.REPLICATED
     with pytest.raises(TierUnavailableError, match=r"tail_fusion.*'cpu'"):
         moe_tail.select_tier(4, 64, 1, "cpu", force="tail_fusion")
-    # the CPU call itself runs the replicated form, exactly the reference
+    # below the overlap threshold the CPU call runs the replicated form, the reference
     x, s, w, up = make_inputs(Case(4, 40, 24, torch.float32, False, False, 1e-6, 0, 0, 0, 0,
                                    False), 0, "cpu")
-    y, tier = moe_tail.run_latent_moe_tail(x, s, w, 1e-6, up)
+    y, tier = moe_tail.run_latent_moe_tail(
+        x, s, w, 1e-6, up, config=FusionConfig(shared_experts_stream_token_threshold=4))
     assert tier is Tier.ALLREDUCE_OVERLAP
     assert torch.equal(y, reference.latent_moe_tail(x, s, w, 1e-6, up))
 
@@ -428,13 +440,16 @@ def test_supports_on_a_cuda_device_object():
 
     assert moe_tail.select_tier(1, 7168, 1, cuda) is Tier.TAIL_FUSION
     assert moe_tail.select_tier(16, 7168, 1, cuda) is Tier.TAIL_FUSION
-    # selection stops at config.fused_tail_max_tokens (16), not at the kernel's limit
-    assert moe_tail.select_tier(17, 7168, 1, cuda) is Tier.ALLREDUCE_OVERLAP
-    raised = FusionConfig(fused_tail_max_tokens=100)
-    assert moe_tail.select_tier(17, 7168, 1, cuda, raised) is Tier.TAIL_FUSION
-    assert moe_tail.select_tier(MAX_TOKENS + 1, 7168, 1, cuda, raised) is Tier.ALLREDUCE_OVERLAP
+    # selection stops at the kernel's measured select_max_tokens (16), below its limit
+    # and below config.fused_tail_max_tokens; forcing the tier runs it up to its limit
+    assert impl.select_max_tokens == moe_tail.TRITON_SELECT_MAX_TOKENS == 16
+    assert moe_tail.select_tier(17, 7168, 1, cuda) is Tier.REPLICATED
+    lowered = FusionConfig(fused_tail_max_tokens=8)
+    assert moe_tail.select_tier(9, 7168, 1, cuda, lowered) is Tier.REPLICATED
+    assert moe_tail.select_tier(8, 7168, 1, cuda, lowered) is Tier.TAIL_FUSION
+    assert moe_tail.select_tier(17, 7168, 1, cuda, force="tail_fusion") is Tier.TAIL_FUSION
     assert moe_tail.select_tier(0, 7168, 1, cuda) is Tier.ALLREDUCE_OVERLAP
-    assert moe_tail.select_tier(4, 7168, 2, cuda) is Tier.ALLREDUCE_OVERLAP
+    assert moe_tail.select_tier(4, 7168, 2, cuda) is Tier.COLUMN_PARALLEL
     with pytest.raises(TierUnavailableError, match=r"tail_fusion.*triton: tp=2"):
         moe_tail.select_tier(4, 7168, 2, cuda, force="tail_fusion")
     with pytest.raises(TierUnavailableError, match=r"triton: T=65"):
@@ -560,7 +575,10 @@ def test_cuda_graph_replay_split_k():
         torch.cuda.synchronize()
         ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=False)
         assert_within(y, ref, bound, f"replay {seed}")
-    assert all(int(b.abs().sum()) == 0 for b in kernel_mod._locks.values())
+    from k3fusion.kernels import _launch
+
+    locks = [b for key, b in _launch._counter_buffers.items() if key[0] == "moe_tail"]
+    assert locks and all(int(b.abs().sum()) == 0 for b in locks)
 
 
 # ============================================================================ the benchmark (CPU parts)
@@ -626,9 +644,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3fusion.kernels.moe_tail import _moe_tail_kernel as k
 names = [p.name for p in k.params]
-for split, after in ((1, True), (7, True), (1, False), (4, False)):
+for split, after, swap in ((1, True, False), (7, True, False), (1, False, False),
+                          (4, False, False), (1, False, True), (2, True, True)):
     const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, NORM_BLOCK_K=512, SPLIT_K=split,
-                 SCALE_AFTER=after, WEIGHT_IN_FP32=False, DOT_IN_FP32=False, GPU_FENCE=True,
+                 SCALE_AFTER=after, SWAP_AB=swap, WEIGHT_IN_FP32=False, DOT_IN_FP32=False, GPU_FENCE=True,
                  NORM_DTYPE=triton.language.bfloat16)
     ptrs = {"ws_ptr": "*fp32", "sq_ws_ptr": "*fp32", "lock_ptr": "*i32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
@@ -637,18 +656,19 @@ for split, after in ((1, True), (7, True), (1, False), (4, False)):
                     constexprs={(names.index(n),): v for n, v in const.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-    print(split, after, "mma" in ptx, ("atom.global" in ptx) == (split > 1))
+    print(split, after, swap, "mma" in ptx, ("atom.global" in ptx) == (split > 1))
 """
 
 
 def test_gpu_variants_compile_for_hopper():
-    """The GPU-only code (the tensor-core dot, the split-K fences and counters, the
-    scale-after epilogues) compiles for sm_90 on any machine: the interpreter never
-    builds it."""
+    """The GPU-only code (the tensor-core dot in both operand orders, the split-K fences
+    and counters, the scale-after epilogues) compiles for sm_90 on any machine: the
+    interpreter never builds it."""
     out = run_compile_script(_PTX_CHECK, "the fused tail kernel")
     lines = out.split("\n")
-    assert [x for x in lines if x] == ["1 True True True", "7 True True True",
-                                       "1 False True True", "4 False True True"], out
+    assert [x for x in lines if x] == ["1 True False True True", "7 True False True True",
+                                       "1 False False True True", "4 False False True True",
+                                       "1 False True True True", "2 True True True True"], out
 
 
 @pytest.mark.parametrize("scale_after", [False, True])
@@ -668,3 +688,4 @@ def test_norm_dtype_casts_the_normalized_fp32_latent(scale_after):
         launch(x, s, w, 1e-6, up)  # without it: an fp32 normed latent against a bf16 up_w
     with pytest.raises(ValueError, match="norm_dtype"):
         launch(x, s, w, 1e-6, up, norm_dtype=torch.bfloat16, weight_in_fp32=True)
+

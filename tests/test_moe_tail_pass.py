@@ -288,18 +288,21 @@ def test_latent_moe_attn_res_model_real_inductor():
 # ============================================================================ tp = 2, 4 (gloo)
 
 
-def _tail_on_rank(rank: int, world: int, group) -> dict:
+def _tail_on_rank(rank: int, world: int, group, device: str = "cpu") -> dict:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from k3fusion import moe_tail
     from k3fusion.models.kimi_k3 import KimiK3LatentMoE
 
     result = {}
+    device = torch.device("cuda", rank) if device == "cuda" else torch.device(device)
     torch.manual_seed(0)  # same replicated weights on every rank
     moe = KimiK3LatentMoE(KimiK3Config.tiny(latent_moe=True, dtype=torch.float32),
-                          tp_group=group).eval()
+                          tp_group=group).eval().to(device)
     g = torch.Generator().manual_seed(100 + rank)  # per-rank partials
-    r, s = torch.randn(5, L, generator=g), torch.randn(5, H, generator=g)
+    r, s = torch.randn(5, L, generator=g).to(device), torch.randn(5, H, generator=g).to(device)
+    moe_tail.reset_tier_counts()
 
     torch._dynamo.reset()
     k3fusion.reset_match_counts()
@@ -308,6 +311,7 @@ def _tail_on_rank(rank: int, world: int, group) -> dict:
         got, want = compiled(r, s), moe.tail(r, s)
     result["compiled_err"] = float((got - want).abs().max())
     result["compiled_matches"] = k3fusion.match_counts().get("moe_tail", 0)
+    result["tiers_run"] = moe_tail.tier_counts()  # the compiled op's run-time choice
 
     def leaky(r, s):  # the reduced routed latent is also returned: refuse
         rr = funcol.wait_tensor(funcol.all_reduce(r, "sum", group))
@@ -324,17 +328,34 @@ def _tail_on_rank(rank: int, world: int, group) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_gloo_compiled_tail_equals_eager(world):
-    """tp = 2 and 4: on every rank the compiled tail (one match, the group read from the
-    graph) equals the eager tail; a tail whose reduced latent leaks is refused."""
-    results = run_ranks(_tail_on_rank, world)
+def _check_ranks(results):
     for rank, res in enumerate(results):
         assert "error" not in res, f"rank {rank}:\n{res['error']}"
         assert res["compiled_matches"] == 1, res
         assert res["compiled_err"] <= 1e-5, res
         assert res["leaky_matches"] == 0, res
         assert res["leaky_err"] == 0.0, res
+        # The compiled op ran one tier (the same on every rank), chosen at run time.
+        assert sum(res["tiers_run"].values()) >= 1 and res["tiers_run"] == results[0]["tiers_run"], \
+            (rank, res["tiers_run"], results[0]["tiers_run"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_compiled_tail_equals_eager(world):
+    """tp = 2 and 4: on every rank the compiled tail (one match, the group read from the
+    graph) equals the eager tail; a tail whose reduced latent leaks is refused."""
+    _check_ranks(run_ranks(_tail_on_rank, world))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_nccl_compiled_tail_equals_eager(world):
+    """The same over NCCL, one GPU per rank: the group name read from a CUDA graph resolves
+    to the NCCL group at run time (torch's process-group registry), and the tail equals the
+    eager one on every rank."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
+    _check_ranks(run_ranks(_tail_on_rank, world, "cuda", backend="nccl", timeout_s=600.0))
 
 
 def test_op_dtype_rule_follows_weight_in_fp32_and_up_w_layout():

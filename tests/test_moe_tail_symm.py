@@ -98,14 +98,14 @@ def test_enable_disable_idempotent():
 
 
 def test_enabled_leaves_cpu_selection_alone(symm_enabled):
-    assert moe_tail.select_tier(4, 64, 2, "cpu") is Tier.ALLREDUCE_OVERLAP
+    assert moe_tail.select_tier(4, 64, 2, "cpu") is Tier.COLUMN_PARALLEL
     why = moe_tail.tier_unavailable_reason("tail_fusion", 4, 64, 2, "cpu")
     assert "none is registered for 'cpu'" in why and "symm_mem (cuda)" in why
     if not torch.cuda.is_available():
         # A CUDA call is asked about, and says why not here.
         why = moe_tail.tier_unavailable_reason("tail_fusion", 4, 64, 2, "cuda")
         assert "symm_mem: CUDA is not available" in why, why
-        assert moe_tail.select_tier(4, 64, 2, "cuda") is Tier.ALLREDUCE_OVERLAP
+        assert moe_tail.select_tier(4, 64, 2, "cuda") is Tier.COLUMN_PARALLEL
 
 
 # ============================================================================ reasons
@@ -156,8 +156,9 @@ def _gloo_reasons(rank, world, group):
         out["prepare"] = None
     except SymmMemUnavailableError as e:
         out["prepare"] = str(e)
-    # Enabled, the tiered tail on gloo/CPU still runs (and matches) the overlap tier, and
-    # forcing tail_fusion says why it cannot.
+    # Enabled, the tiered tail on gloo/CPU still runs (and matches) the column-parallel
+    # tier (the default above the fused tail at tp > 1), and forcing tail_fusion says why
+    # it cannot.
     moe_tail_symm.enable_symm_mem_tail()
     g = torch.Generator().manual_seed(rank)
     x, s = torch.randn(3, 40, generator=g), torch.randn(3, 64, generator=g)
@@ -165,7 +166,8 @@ def _gloo_reasons(rank, world, group):
     up = torch.randn(64, 40, generator=torch.Generator().manual_seed(99))
     y, tier = moe_tail.run_latent_moe_tail(x, s, w, EPS, up, group)
     out["tier"] = tier.value
-    out["matches"] = torch.equal(y, reference.latent_moe_tail(x, s, w, EPS, up, group))
+    out["matches"] = torch.equal(y, moe_tail.latent_moe_tail(x, s, w, EPS, up, group,
+                                                             tier="column_parallel"))
     try:
         moe_tail.latent_moe_tail(x, s, w, EPS, up, group, tier="tail_fusion")
         out["forced"] = None
@@ -181,7 +183,7 @@ def test_gloo_group_is_unavailable():
         assert "not on 'cpu'" in out["cpu-call"], out
         assert "T=65" in out["big-call"], out
         assert out["prepare"] is not None and "gloo" in out["prepare"], out
-        assert out["tier"] == "allreduce_overlap" and out["matches"], out
+        assert out["tier"] == "column_parallel" and out["matches"], out
         assert "none is registered for 'cpu'" in out["forced"], out
 
 
@@ -586,8 +588,9 @@ def _check_gpu(world, ranks, tokens_list):
         ref_err = (parts[0]["ref"].double() - exact).abs().max().item() / scale
         assert err <= 2 * ref_err + 2.0**-9, f"{what}: error {err:.3g} vs reference {ref_err:.3g}"
         if world > 1:
-            expect = "tail_fusion" if tokens <= get_config().fused_tail_max_tokens else \
-                "allreduce_overlap"
+            expect = "tail_fusion" if tokens <= min(get_config().fused_tail_max_tokens,
+                                                    moe_tail_symm.SELECT_MAX_TOKENS) else \
+                "column_parallel"
             assert parts[0]["tier"] == expect, f"{what}: tier {parts[0]['tier']}"
             if expect == "tail_fusion":
                 assert torch.equal(parts[0]["y_tier"], parts[0]["y"]), what

@@ -267,10 +267,12 @@ def _with_env(env: dict, fn):
 @case("env-switches")
 def _run_env(ctx):
     out = {}
-    out["disable-1"] = _with_env({"K3FUSION_DISABLE_SHARED_EXPERTS_STREAM": "1"},
+    raised = {"K3FUSION_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD": "8"}  # default 0: no overlap
+    out["disable-1"] = _with_env({"K3FUSION_DISABLE_SHARED_EXPERTS_STREAM": "1", **raised},
                                  lambda: _tail(ctx, 40, (1,), 64, torch.bfloat16))
-    out["disable-0"] = _with_env({"K3FUSION_DISABLE_SHARED_EXPERTS_STREAM": "0"},
+    out["disable-0"] = _with_env({"K3FUSION_DISABLE_SHARED_EXPERTS_STREAM": "0", **raised},
                                  lambda: _tail(ctx, 40, (1,), 64, torch.bfloat16))
+    out["default-T1"] = _tail(ctx, 40, (1,), 64, torch.bfloat16)
     for t in (4, 5, 6):
         out[f"threshold-5-T{t}"] = _with_env(
             {"K3FUSION_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD": "5"},
@@ -286,6 +288,7 @@ def _run_env(ctx):
 def _(ctx, payloads):
     _check_each(ctx, payloads, tiers={
         "disable-1": "column_parallel", "disable-0": "allreduce_overlap",
+        "default-T1": "column_parallel",
         "threshold-5-T4": "allreduce_overlap", "threshold-5-T5": "allreduce_overlap",
         "threshold-5-T6": "column_parallel", "tier-replicated": "replicated",
         "moe-tail-0": "replicated"})
@@ -296,7 +299,8 @@ def _run_nd(ctx):
     out = {}
     for hidden in (63, 66):  # 63: odd; 66 % 4 == 2 (66 % 2 == 0: column-parallel at tp 2)
         out[f"H{hidden}-big"] = _tail(ctx, 60, (300,), hidden, torch.bfloat16)
-        out[f"H{hidden}-small"] = _tail(ctx, 61, (5,), hidden, torch.bfloat16)
+        out[f"H{hidden}-small"] = _tail(ctx, 61, (5,), hidden, torch.bfloat16,
+                                        config=FusionConfig(shared_experts_stream_token_threshold=8))
         out[f"H{hidden}-T0"] = _tail(ctx, 62, (0,), hidden, torch.bfloat16,
                                      config=FusionConfig(disable_shared_experts_stream=True))
         x, s = partials(63, ctx.rank, (5,), hidden, torch.float32)
@@ -441,16 +445,24 @@ def _cfg(**kw) -> FusionConfig:
     return FusionConfig(**kw)
 
 
+T256 = {"shared_experts_stream_token_threshold": 256}
+
+
 @pytest.mark.parametrize(
     "tokens,hidden,tp,cfg,want",
     [
-        (0, 64, 2, {}, Tier.ALLREDUCE_OVERLAP),      # T = 0: no fused tail (0 < T), overlap
-        (1, 64, 2, {}, Tier.ALLREDUCE_OVERLAP),      # no fused tail on CPU
-        (255, 64, 8, {}, Tier.ALLREDUCE_OVERLAP),    # threshold - 1
-        (256, 64, 8, {}, Tier.ALLREDUCE_OVERLAP),    # threshold (inclusive)
-        (257, 64, 8, {}, Tier.COLUMN_PARALLEL),      # threshold + 1
-        (257, 63, 8, {}, Tier.REPLICATED),           # H % tp != 0: fall back, correct
-        (257, 63, 1, {}, Tier.COLUMN_PARALLEL),      # tp 1 always divides
+        # Defaults: threshold 0 (column-parallel was measured faster at every T).
+        (0, 64, 2, {}, Tier.ALLREDUCE_OVERLAP),      # T = 0: no fused tail (0 < T), 0 <= 0
+        (1, 64, 2, {}, Tier.COLUMN_PARALLEL),        # no fused tail on CPU; 1 > 0
+        (1, 63, 2, {}, Tier.REPLICATED),             # H % tp != 0: fall back, correct
+        (0, 64, 2, T256, Tier.ALLREDUCE_OVERLAP),    # T = 0 at a raised threshold
+        (1, 64, 2, T256, Tier.ALLREDUCE_OVERLAP),    # no fused tail on CPU
+        (255, 64, 8, T256, Tier.ALLREDUCE_OVERLAP),  # threshold - 1
+        (256, 64, 8, T256, Tier.ALLREDUCE_OVERLAP),  # threshold (inclusive)
+        (257, 64, 8, T256, Tier.COLUMN_PARALLEL),    # threshold + 1
+        (257, 63, 8, T256, Tier.REPLICATED),         # H % tp != 0: fall back, correct
+        (257, 64, 1, T256, Tier.REPLICATED),         # tp 1: nothing to split
+        (1, 64, 1, {}, Tier.REPLICATED),             # tp 1, default threshold
         (1, 64, 2, {"disable_shared_experts_stream": True}, Tier.COLUMN_PARALLEL),
         (1, 63, 2, {"disable_shared_experts_stream": True}, Tier.REPLICATED),
         (9, 64, 2, {"shared_experts_stream_token_threshold": 8}, Tier.COLUMN_PARALLEL),
@@ -472,7 +484,8 @@ def test_select_tier_is_a_function_of_static_facts_and_tokens():
         for tokens in range(0, 80):
             tiers = {moe_tail.select_tier(tokens, 96, tp, torch.device("cpu"), cfg) for _ in range(3)}
             assert len(tiers) == 1
-            assert tiers.pop() is (Tier.ALLREDUCE_OVERLAP if tokens <= 32 else Tier.COLUMN_PARALLEL)
+            big = Tier.COLUMN_PARALLEL if tp > 1 else Tier.REPLICATED
+            assert tiers.pop() is (Tier.ALLREDUCE_OVERLAP if tokens <= 32 else big)
 
 
 def test_forced_unavailable_tiers_raise_clearly():
@@ -516,8 +529,8 @@ def test_registered_tail_fusion_is_selected_at_small_t():
         cfg = _cfg(fused_tail_max_tokens=4)
         got = [moe_tail.select_tier(t, 64, 1, "cpu", cfg) for t in (0, 1, 4, 5)]
         assert got == [Tier.ALLREDUCE_OVERLAP, Tier.TAIL_FUSION, Tier.TAIL_FUSION,
-                       Tier.ALLREDUCE_OVERLAP]
-        assert moe_tail.select_tier(1, 64, 2, "cpu", cfg) is Tier.ALLREDUCE_OVERLAP
+                       Tier.REPLICATED]
+        assert moe_tail.select_tier(1, 64, 2, "cpu", cfg) is Tier.COLUMN_PARALLEL
         with pytest.raises(TierUnavailableError, match="tp 1 only"):
             moe_tail.select_tier(1, 64, 2, "cpu", force="tail_fusion")
         assert moe_tail.select_tier(1, 64, 1, "cpu", _cfg(fused_tail_max_tokens=0)) is not Tier.TAIL_FUSION
@@ -531,13 +544,35 @@ def test_registered_tail_fusion_is_selected_at_small_t():
     assert "test-cpu-tp1" not in {i.name for i in moe_tail.tail_fusion_impls()}
 
 
+def test_implementation_selection_limit():
+    """``select_max_tokens``: automatic selection stops there (the implementation's own
+    measured crossover), below the config's cap; forcing the tier still runs it above."""
+    run = lambda r, s, w, eps, up, group, wf: reference.latent_moe_tail(r, s, w, eps, up)  # noqa: E731
+    impl = moe_tail.TailFusionImpl("test-limit", lambda t, h, tp, dev: None, run, ("cpu",),
+                                   select_max_tokens=2)
+    with pytest.raises(TypeError, match="select_max_tokens"):
+        moe_tail.register_tail_fusion(moe_tail.TailFusionImpl("bad", impl.supports, run,
+                                                              select_max_tokens=-1))
+    moe_tail.register_tail_fusion(impl)
+    try:
+        cfg = _cfg(fused_tail_max_tokens=8)
+        got = [moe_tail.select_tier(t, 64, 1, "cpu", cfg) for t in (1, 2, 3)]
+        assert got == [Tier.TAIL_FUSION, Tier.TAIL_FUSION, Tier.REPLICATED]
+        assert moe_tail.select_tier(2, 64, 1, "cpu", _cfg(fused_tail_max_tokens=1)) \
+            is Tier.REPLICATED  # the config's cap is below the implementation's
+        assert moe_tail.select_tier(3, 64, 1, "cpu", force="tail_fusion") is Tier.TAIL_FUSION
+        assert moe_tail.tier_unavailable_reason("tail_fusion", 3, 64, 1, "cpu") is None
+    finally:
+        moe_tail.unregister_tail_fusion("test-limit")
+
+
 # ---------------------------------------------------------------------------- config / env
 
 
 def test_config_fields_defaults_and_env(monkeypatch):
     c = FusionConfig()
     assert (c.moe_tail, c.fused_tail_max_tokens, c.shared_experts_stream_token_threshold,
-            c.disable_shared_experts_stream, c.moe_tail_tier) == (True, 16, 256, False, "auto")
+            c.disable_shared_experts_stream, c.moe_tail_tier) == (True, 64, 0, False, "auto")
     env = {"K3FUSION_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD": "12",
            "K3FUSION_DISABLE_SHARED_EXPERTS_STREAM": "1", "K3FUSION_MOE_TAIL": "off",
            "K3FUSION_FUSED_TAIL_MAX_TOKENS": "0"}
@@ -620,7 +655,8 @@ def test_tier_counts_and_debug_log(caplog):
     x, s = partials(5, 0, (3,), 32, torch.float32)
     w, up = weights(5, 32, torch.float32)
     with caplog.at_level("INFO", logger="k3fusion"):
-        moe_tail.latent_moe_tail(x, s, w, EPS, up, config=_cfg(debug=True))
+        moe_tail.latent_moe_tail(x, s, w, EPS, up, config=_cfg(
+            debug=True, shared_experts_stream_token_threshold=8))
         moe_tail.latent_moe_tail(x, s, w, EPS, up, tier="column_parallel")
     assert moe_tail.tier_counts() == {"allreduce_overlap": 1, "column_parallel": 1}
     lines = [r.getMessage() for r in caplog.records if "moe_tail" in r.getMessage()]

@@ -83,7 +83,8 @@ def plot_series(result: dict, series: list[tuple[str, str]], title: str, path: P
     ts = [r["T"] for r in result["rows"]]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for key, label in series:
-        ax.plot(ts, [r[key] for r in result["rows"]], marker="o", label=label,
+        ys = [float("nan") if r.get(key) is None else r[key] for r in result["rows"]]
+        ax.plot(ts, ys, marker="o", label=label,
                 linestyle="--" if key == "floor_us" else "-")
     ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="us (CUDA-graph replay, median)",
            title=title)

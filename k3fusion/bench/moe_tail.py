@@ -115,7 +115,8 @@ def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 def config_label(cfg) -> str:
     return (f"n{cfg.block_n}_k{cfg.block_k}_p{cfg.norm_block_k}_s{cfg.split_k}"
-            f"_w{cfg.num_warps}_st{cfg.num_stages}" + ("_after" if cfg.scale_after else ""))
+            f"_w{cfg.num_warps}_st{cfg.num_stages}" + ("_after" if cfg.scale_after else "")
+            + ("_swap" if cfg.swap_ab else ""))
 
 
 def _sweep(t: int, sets) -> dict:
@@ -129,7 +130,8 @@ def _sweep(t: int, sets) -> dict:
     def time(cfg: LaunchConfig) -> float:
         opts = dict(block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                    norm_block_k=cfg.norm_block_k, scale_after=cfg.scale_after)
+                    norm_block_k=cfg.norm_block_k, scale_after=cfg.scale_after,
+                    swap_ab=cfg.swap_ab)
         fn = lambda r, s, w, u: launch(r, s, w, EPS, u, **opts)  # noqa: E731
         try:
             _check(fn(*sets[0]), ref, f"kernel {config_label(cfg)}")

@@ -1,0 +1,95 @@
+"""The latent-MoE tail tiers over NCCL, one GPU per rank, at Kimi-K3 widths (bf16, L = 3584,
+H = 7168): every tier forced at T around its thresholds equals the exact tail within the
+bound of ``test_moe_tail_tiers`` (and the two tiers that run the reference's op sequence
+equal the NCCL reference bit for bit), every rank's output is the same, and every rank's
+``select_tier`` picks the same tier. Skipped without enough GPUs (``pytest -m cuda``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _gloo import run_ranks
+
+LATENT, HIDDEN = 3584, 7168
+EPS = 1e-6
+U_BF16 = 2.0**-8
+
+
+def _tokens():
+    from k3fusion.config import FusionConfig
+
+    cfg = FusionConfig()
+    thr = cfg.shared_experts_stream_token_threshold
+    return sorted({0, 1, cfg.fused_tail_max_tokens, cfg.fused_tail_max_tokens + 1,
+                   thr, thr + 1, 4096})
+
+
+def _tiers_on_rank(rank: int, world: int, group, tokens_list) -> dict:
+    import torch.distributed as dist
+
+    from k3fusion import moe_tail, reference
+
+    dev = torch.device("cuda", rank)
+    dt = torch.bfloat16
+    gw = torch.Generator(device=dev).manual_seed(3)  # replicated weights: one seed
+    norm_w = (1 + 0.1 * torch.randn(LATENT, device=dev, generator=gw)).to(dt)
+    up_w = (torch.randn(HIDDEN, LATENT, device=dev, generator=gw) / LATENT**0.5).to(dt)
+    out = {}
+    for tokens in tokens_list:
+        g = torch.Generator(device=dev).manual_seed(1000 * tokens + rank)
+        x = torch.randn(tokens, LATENT, device=dev, generator=g).to(dt)
+        s = torch.randn(tokens, HIDDEN, device=dev, generator=g).to(dt)
+        xs = [torch.empty_like(x) for _ in range(world)]
+        ss = [torch.empty_like(s) for _ in range(world)]
+        dist.all_gather(xs, x)
+        dist.all_gather(ss, s)
+        x_all = torch.stack(xs).double()
+        s_all = torch.stack(ss).double()
+        x64, s64 = x_all.sum(0), s_all.sum(0)
+        inv = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
+        w64, up64 = norm_w.double(), up_w.double()
+        h = x64 * inv * w64
+        exact = s64 + h @ up64.T
+        carried = (h.abs() + inv * w64.abs() * x_all.abs().sum(0)) @ up64.abs().T
+        bound = ((2 * world + 8) * U_BF16 * (s_all.abs().sum(0) + carried)
+                 + LATENT * 2.0**-24 * (h.abs() @ up64.abs().T))
+        ref = reference.latent_moe_tail(x, s, norm_w, EPS, up_w, group)
+        x_before, s_before = x.clone(), s.clone()
+        facts = {"auto": moe_tail.select_tier(tokens, HIDDEN, world, dev).value}
+        for tier in moe_tail.available_tiers(tokens, HIDDEN, world, dev):
+            y = moe_tail.latent_moe_tail(x, s, norm_w, EPS, up_w, group, tier=tier)
+            ys = [torch.empty_like(y) for _ in range(world)]
+            dist.all_gather(ys, y)
+            over = (y.double() - exact).abs() > bound
+            facts[tier.value] = dict(
+                beyond_bound=int(over.sum()),
+                same_on_ranks=all(torch.equal(o, ys[0]) for o in ys),
+                equals_reference=torch.equal(y, ref),
+                inputs_kept=torch.equal(x, x_before) and torch.equal(s, s_before))
+        out[tokens] = facts
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_nccl_tiers_equal_the_exact_tail(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
+    tokens_list = _tokens()
+    ranks = run_ranks(_tiers_on_rank, world, tokens_list, backend="nccl", timeout_s=600.0)
+    for tokens in tokens_list:
+        autos = {r[tokens]["auto"] for r in ranks}
+        assert len(autos) == 1, f"T={tokens}: ranks chose {autos}"
+        tiers = [k for k in ranks[0][tokens] if k != "auto"]
+        assert {"replicated", "allreduce_overlap", "column_parallel"} <= set(tiers), tiers
+        for rank, r in enumerate(ranks):
+            for tier in tiers:
+                f = r[tokens][tier]
+                what = f"tp={world} T={tokens} rank {rank} {tier}"
+                assert f["beyond_bound"] == 0, f"{what}: {f['beyond_bound']} beyond the bound"
+                assert f["same_on_ranks"], f"{what}: ranks differ"
+                assert f["inputs_kept"], f"{what}: an input was modified"
+                if tier in ("replicated", "allreduce_overlap"):
+                    assert f["equals_reference"], f"{what}: not the reference bit for bit"
