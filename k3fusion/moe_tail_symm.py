@@ -2,10 +2,11 @@
 
     y = all_reduce(shared) + rms_norm(all_reduce(routed_latent), norm_w, eps) @ up_w.T
 
-At decode sizes (T <= 16) the partials are a few hundred KB per rank, small enough that
-a one-shot all-reduce (every rank reads every peer's buffer over NVLink) is expected to
-beat NCCL's per-call latency; ``k3fusion.bench.moe_tail_symm`` measures it (not yet run
-on multiple GPUs). Here both partials are summed by one Triton one-shot launch over
+At decode sizes the partials are a few hundred KB per rank, small enough that a one-shot
+all-reduce (every rank reads every peer's buffer over NVLink) beats NCCL's per-call
+latency: measured at tp = 2 on two H200s (``k3fusion.bench.moe_tail_tp``,
+docs/benchmarks.md) it took 28-32 us at T <= 16 against 63-72 us for the overlap tier and
+53-66 us for column-parallel, and stayed ahead up to its 64 rows. Here both partials are summed by one Triton one-shot launch over
 ``torch.distributed._symmetric_memory`` (``k3fusion.kernels.moe_tail_symm``: every rank
 copies its partials into its own symmetric buffer, meets every peer at a signal-pad
 barrier, reads every peer's buffer over NVLink and sums in fp32 in rank order, so all

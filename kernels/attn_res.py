@@ -89,9 +89,10 @@ __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SP
 
 #: From this many tokens on, the row kernel uses its prefill shape. Measured on the H200
 #: (bf16, H = 7168, 9 sources; docs/benchmarks.md): the decode shape 4x16 (unpipelined)
-#: best up to T = 128 (8.94 us at 32, 11.70 at 128), the pipelined prefill shape 1x8 from
-#: T = 512 (30.78 us against 35.81; 206.6 against 241.5 at 4096).
-PREFILL_TOKENS = 512
+#: best up to T = 128 (8.94 us at 32, 11.70 against 12.38 at 128), the pipelined prefill
+#: shape 1x8 from T = 256 (17.42 us against 20.09; 30.78 against 35.81 at 512, 206.6
+#: against 241.5 at 4096).
+PREFILL_TOKENS = 256
 #: Sources per tile of the row kernel's decode shape.
 DECODE_SOURCES_PER_TILE = 4
 #: Sources per tile of the row kernel's prefill shape: one source row per loop step ...

@@ -76,7 +76,8 @@ __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_
            "check_fused_tail_args"]
 
 #: Largest token count the kernel takes (``BLOCK_M`` = T padded to a power of two >= 16).
-#: Tier selection additionally stops at ``FusionConfig.fused_tail_max_tokens`` (16).
+#: Tier selection stops earlier: at the implementation's measured limit (16,
+#: ``k3fusion.moe_tail.TRITON_SELECT_MAX_TOKENS``) and ``FusionConfig.fused_tail_max_tokens``.
 MAX_TOKENS = 64
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
