@@ -615,3 +615,57 @@ def test_world_size_1_smoke():
 def test_multi_gpu(world):
     tokens = [1, 4, 16, 32]
     _check_gpu(world, _nccl_ranks(_gpu_rank, world, tokens), tokens)
+
+
+# ============================================================================ the tp benchmark (CPU parts)
+
+
+def _fake_tp_rows():
+    def row(t, rep, ov, cp, symm=None):
+        r = dict(T=t, tp=2, auto="column_parallel", same_auto_tier=True, floor_us=11.95,
+                 replicated_us=rep, allreduce_overlap_us=ov, column_parallel_us=cp)
+        for name in ("replicated", "allreduce_overlap", "column_parallel"):
+            r[f"{name}_err"], r[f"{name}_ranks_identical"] = 4e-3, True
+        if symm is not None:
+            r.update(symm_mem_us=symm, symm_mem_err=3e-3, symm_mem_ranks_identical=True)
+        return r
+    return [row(1, 60.0, 50.0, 55.0, 30.0), row(16, 70.0, 60.0, 65.0, 66.0),
+            row(64, 80.0, 80.0, 70.0, 75.0), row(256, 130.0, 120.0, 121.0)]
+
+
+def test_tp_bench_crossovers():
+    """The thresholds the timings imply: how far the symm-mem tail beats the fastest NCCL
+    tier, and the overlap tier is no slower than column-parallel, at every T up to there
+    (a win past a loss -- overlap at 256 after losing at 64 -- does not count)."""
+    from k3fusion.bench.moe_tail_tp import crossovers
+
+    rows = _fake_tp_rows()
+    assert crossovers(rows) == dict(fused_tail_max_tokens=1, overlap_threshold=16)
+    assert crossovers(rows[::-1]) == crossovers(rows)  # by T, not by row order
+    # column-parallel faster everywhere, symm-mem everywhere it ran: overlap never, symm 64
+    for r in rows:
+        r["column_parallel_us"] = r["allreduce_overlap_us"] - 1
+        if "symm_mem_us" in r:
+            r["symm_mem_us"] = 1.0
+    assert crossovers(rows) == dict(fused_tail_max_tokens=64, overlap_threshold=None)
+    failed = [dict(r, symm_mem_us=None) for r in rows]  # a failed timing is no win
+    assert crossovers(failed)["fused_tail_max_tokens"] is None
+
+
+def test_tp_bench_table_and_guards(monkeypatch):
+    from k3fusion.bench import moe_tail_tp as bench
+
+    args = bench._parser().parse_args(["--tokens", "1", "16"])
+    rows = _fake_tp_rows()
+    rows[1]["symm_mem_us"], rows[1]["symm_mem_us_error"] = None, "rank 1: RuntimeError: boom"
+    rows[2]["allreduce_overlap_ranks_identical"] = False
+    md = bench._markdown(rows, args, 2, {"gpu": "GPU", "date": "d", "torch": "t", "triton": "x"})
+    assert "| 1 | 60.00 | 50.00 | 55.00 | 30.00 | 11.95 | column_parallel (yes) | 4.00e-03 | yes |" in md
+    assert "| 16 | 70.00 | 60.00 | 65.00 | - |" in md and "rank 1: RuntimeError: boom" in md
+    assert "| 64 |" in md and md.split("| 64 |")[1].split("\n")[0].rstrip().endswith("| NO |")
+    assert "| 256 | 130.00 | 120.00 | 121.00 | - |" in md
+    assert "symm-mem fused tail fastest up to T = 1" in md
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit, match="torchrun"):
+        bench.main(["--tokens", "1"])

@@ -17,9 +17,9 @@ fused tail (``k3fusion.moe_tail_symm``, T <= its ``MAX_TOKENS``):
   graph, inputs rotated to outgrow L2), taking the slowest rank's median (a step waits for
   the slowest rank).
 
-Rank 0 prints a markdown table with the crossovers -- the largest T where the symm-mem
-tail still beats the best NCCL tier (the fused-tail limit) and the largest T where the
-overlap tier still beats column-parallel (the overlap threshold) -- and writes
+Rank 0 prints a markdown table with the crossovers -- the largest T up to which the
+symm-mem tail beats the best NCCL tier at every measured T (the fused-tail limit), and
+likewise the overlap tier against column-parallel (the overlap threshold) -- and writes
 ``moe_tail_tp.json`` / ``.md`` / ``.png`` to ``--out``. With ``--nproc-per-node 1`` it is a
 one-GPU smoke check. NVLink multicast stays off unless the environment says otherwise
 (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` by default).
@@ -145,6 +145,18 @@ def _one_t(tokens: int, args, group, rank: int, world: int, symm: bool) -> dict:
     return row
 
 
+def _last_win(rows: list[dict], wins) -> int | None:
+    """The largest measured T up to which ``wins(row)`` holds at every measured T (a
+    "T <= threshold" rule must not select a tier past a T where it lost); None if it
+    already loses at the smallest."""
+    last = None
+    for r in sorted(rows, key=lambda r: r["T"]):
+        if not wins(r):
+            break
+        last = r["T"]
+    return last
+
+
 def crossovers(rows: list[dict]) -> dict:
     """Thresholds the timings imply (None where the data has no crossover)."""
     def best_nccl(r):
@@ -152,13 +164,16 @@ def crossovers(rows: list[dict]) -> dict:
         times = [t for t in times if t is not None]
         return min(times) if times else None
 
-    symm_wins = [r["T"] for r in rows if r.get(f"{SYMM}_us") is not None
-                 and best_nccl(r) is not None and r[f"{SYMM}_us"] < best_nccl(r)]
-    overlap_wins = [r["T"] for r in rows if r.get("allreduce_overlap_us") is not None
-                    and r.get("column_parallel_us") is not None
-                    and r["allreduce_overlap_us"] <= r["column_parallel_us"]]
-    return dict(fused_tail_max_tokens=max(symm_wins, default=None),
-                overlap_threshold=max(overlap_wins, default=None))
+    def symm_wins(r):
+        symm, nccl = r.get(f"{SYMM}_us"), best_nccl(r)
+        return symm is not None and nccl is not None and symm < nccl
+
+    def overlap_wins(r):
+        ov, cp = r.get("allreduce_overlap_us"), r.get("column_parallel_us")
+        return ov is not None and cp is not None and ov <= cp
+
+    return dict(fused_tail_max_tokens=_last_win(rows, symm_wins),
+                overlap_threshold=_last_win(rows, overlap_wins))
 
 
 def _markdown(rows: list[dict], args, world: int, env: dict) -> str:
