@@ -50,10 +50,11 @@ class FusionConfig:
     #: kernel stops at 16, the symmetric-memory one at 64); 0 never selects it.
     fused_tail_max_tokens: int = 64
     #: ALLREDUCE_OVERLAP tier (shared-expert all-reduce on a side stream, replicated
-    #: up-projection) for tokens <= this; above it COLUMN_PARALLEL. As vLLM's
-    #: ``VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD``. 0 by default: measured at tp = 2 on
-    #: two H200s (docs/benchmarks.md), column-parallel was faster at every T from 1 to
-    #: 16384 (55.6 against 66.5 us at T = 1, 127.7 against 136.0 at 256).
+    #: up-projection) for tokens <= this; above it COLUMN_PARALLEL (tp > 1) or the
+    #: replicated form (tp = 1). As vLLM's ``VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD``.
+    #: 0 by default: measured at tp = 2 on two H200s (docs/benchmarks.md), column-parallel
+    #: was faster at every T from 1 to 16384 (53.4 against 63.5 us at T = 1, 129.2 against
+    #: 135.5 at 256).
     shared_experts_stream_token_threshold: int = 0
     #: Never select ALLREDUCE_OVERLAP (as vLLM's ``VLLM_DISABLE_SHARED_EXPERTS_STREAM``).
     disable_shared_experts_stream: bool = False

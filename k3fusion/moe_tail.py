@@ -393,7 +393,12 @@ def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, n
 def _tail_fusion(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
                  donate_shared):
     tp, _ = tp_size_and_rank(group)
-    impl, why = _tail_fusion_impl(routed.shape[0], shared.shape[-1], tp, shared.device)
+    facts = (routed.shape[0], shared.shape[-1], tp, shared.device)
+    # The implementation automatic selection chose (its select_max_tokens admits T); a
+    # forced tier above every such limit runs the first that supports T at all.
+    impl, why = _tail_fusion_impl(*facts, selecting=True)
+    if impl is None:
+        impl, why = _tail_fusion_impl(*facts)
     if impl is None:  # selection checked this; a registry change in between lands here
         raise TierUnavailableError(f"tail_fusion: {why}")
     if norm_dtype is None:

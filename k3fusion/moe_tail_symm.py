@@ -75,7 +75,7 @@ MAX_TOKENS = 64
 
 #: Largest T at which selection picks it: measured at tp = 2 on two H200s
 #: (``k3fusion.bench.moe_tail_tp``, docs/benchmarks.md) it beats the fastest NCCL tier at
-#: every T up to its buffer's 64 rows (29.5 against 55.6 us at T = 1, 60.0 against 70.7
+#: every T up to its buffer's 64 rows (28.0 against 53.4 us at T = 1, 60.0 against 72.4
 #: at 64).
 SELECT_MAX_TOKENS = 64
 

@@ -99,6 +99,10 @@ DECODE_SOURCES_PER_TILE = 4
 PREFILL_SOURCES_PER_TILE = 1
 #: ... software-pipelined three deep (two rows in flight while one is reduced).
 PREFILL_LOOP_STAGES = 3
+#: Most shared memory the automatic choice lets the pipelined source loop take (its
+#: ``LOOP_STAGES - 1`` buffers of a source tile); wider rows run unpipelined (the H200 has
+#: 227 KiB per block; H = 7168 bf16 takes 32 KiB).
+LOOP_SMEM_BYTES = 160 * 1024
 #: Up to this many tokens the split kernel runs. Measured on the H200 (bf16, H = 7168, 9
 #: sources, docs/benchmarks.md): split 6.50 us vs row 7.10 at T = 1, 6.69 vs 7.57 at 8;
 #: at 16 the split kernel took 9.18 us where the row kernel takes 8.83 at 32 already,
@@ -516,6 +520,11 @@ def attn_res(
                               sources_per_tile=sources_per_tile, num_warps=num_warps,
                               kind=kind, chunk=chunk, split_max_tokens=split_max_tokens,
                               loop_stages=loop_stages)
+    if shape.kind == "row" and loop_stages == 0 and shape.loop_stages > 1:
+        tile_bytes = shape.sources_per_tile * shape.block_h * blocks.element_size()
+        if (shape.loop_stages - 1) * tile_bytes > LOOP_SMEM_BYTES:
+            shape = LaunchShape("row", shape.num_warps, shape.block_h,
+                                sources_per_tile=shape.sources_per_tile, loop_stages=1)
     has_delta = delta is not None
     has_norm = out_norm_w is not None
     common = (

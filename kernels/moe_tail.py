@@ -21,7 +21,10 @@ one K range of ``L``:
    from the routed rows exactly as ``k3fusion.reference.rms_norm`` rounds it
    (constexpr ``WEIGHT_IN_FP32``, same forms as ``kernels/dual_rms_norm.py``) and rounded
    to ``up_w``'s dtype -- the GEMM input the reference feeds cuBLAS -- then
-   ``acc += A @ up_w[cols, k].T`` with an fp32 accumulator. T is padded to ``BLOCK_M``
+   ``acc += A @ up_w[cols, k].T`` with an fp32 accumulator (constexpr ``SWAP_AB``: the
+   same product as ``acc.T += up_w[cols, k] @ A.T``, the weight tile as the dot's M side,
+   which Hopper's wgmma reads straight from shared memory -- 2-3% faster on the H200 at
+   T <= 16, the default there where the stages fit). T is padded to ``BLOCK_M``
    (>= 16, ``tl.dot``'s smallest M) by masks; padded rows get an inverse RMS of 0 so they
    stay 0 even with ``eps = 0``.
 3. **Epilogue**: ``acc + shared`` in fp32, stored once in the output dtype: one rounding
@@ -37,15 +40,14 @@ launch (CUDA-graph replays included). No program ever waits, so no residency ass
 is needed. Counters come from ``_launch.counter_buffer`` (per device and stream, never
 first allocated inside a CUDA-graph capture).
 
-**Scale after** (constexpr ``SCALE_AFTER``, launch option ``scale_after``; off by default
-until measured): ``1/rms`` is a per-row factor, so it can scale the fp32 accumulator
+**Scale after** (constexpr ``SCALE_AFTER``, launch option ``scale_after``; opt-in -- measured
+slower on the H200 at every T, with or without split-K, docs/benchmarks.md): ``1/rms`` is a per-row factor, so it can scale the fp32 accumulator
 instead of the GEMM input. The prologue disappears -- the main loop sums the squares of
 the token tiles it loads anyway -- and with split-K each split's partial sums of squares
 travel with its partial tile, so split-K can fill every SM (H = 7168: 112 column tiles x
 7 splits). The price: the GEMM input is ``round(x * w)`` where the spec rounds
 ``round(x * r) * w`` (cast-then-weight) or ``x * r * w`` -- a 16-bit rounding of each GEMM
-input element apart; the tests bound exactly that. The H200 sweep of the bench includes
-these configurations; until they are measured the default keeps the spec's roundings.
+input element apart; the tests bound exactly that. The default keeps the spec's roundings.
 
 Triton's CPU interpreter (``TRITON_INTERPRET=1``; tests) computes a 16-bit ``tl.dot``
 wrongly, so constexpr ``DOT_IN_FP32`` makes the dot an fp32 one of the already-rounded
@@ -55,7 +57,8 @@ summation order). fp32 inputs always take that path with ``input_precision="ieee
 (programs run one after another; inline PTX does not exist).
 
 Launch options (:class:`LaunchConfig`: ``block_n``, ``block_k``, ``norm_block_k``,
-``num_warps``, ``num_stages``, ``split_k``) default to :func:`pick_launch_config`; the
+``num_warps``, ``num_stages``, ``split_k``, ``scale_after``, ``swap_ab``) default to
+:func:`pick_launch_config` (``swap_ab`` also to whether its stages fit); the
 benchmark (``python -m k3fusion.bench.moe_tail --sweep``) times the alternatives.
 """
 
@@ -252,7 +255,7 @@ class LaunchConfig:
     split_k: int
     norm_block_k: int
     #: Scale the accumulator by 1/rms instead of the GEMM input (no norm prologue; the
-    #: GEMM input is round(x * w)); off by default until measured on a GPU.
+    #: GEMM input is round(x * w)); opt-in: measured slower on the H200.
     scale_after: bool = False
     #: Compute ``out.T = up_w_tile @ h.T``: the weight tile is the dot's M side.
     swap_ab: bool = False

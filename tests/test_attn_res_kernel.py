@@ -512,6 +512,42 @@ def test_launcher_needs_prefix_out_with_delta() -> None:
                delta=x.delta)
 
 
+@pytest.mark.parametrize("hidden,dtype,stages", [
+    (7168, torch.bfloat16, PREFILL_LOOP_STAGES),     # Kimi-K3: 2 x 16 KiB buffers
+    (32768, torch.bfloat16, PREFILL_LOOP_STAGES),    # 2 x 64 KiB: still fits
+    (32769, torch.bfloat16, 1),                      # row tile 65536: 256 KiB, unpipelined
+    (16384, torch.float32, PREFILL_LOOP_STAGES),
+    (16385, torch.float32, 1),
+])
+def test_pipelined_source_loop_only_where_its_buffers_fit(monkeypatch, hidden, dtype, stages):
+    """The automatic prefill shape pipelines the source loop only while its shared-memory
+    buffers stay within LOOP_SMEM_BYTES (wider rows would not compile: out of resources);
+    a forced loop_stages is taken as given."""
+    import importlib
+
+    import triton
+
+    mod = importlib.import_module("k3fusion.kernels.attn_res")  # the module, not the function
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw["LOOP_STAGES"])
+
+    monkeypatch.setattr(mod, "_attn_res_kernel", Spy())
+    prefix = torch.zeros(1, hidden, dtype=dtype)
+    blocks = torch.zeros(1, 2, hidden, dtype=dtype)
+    w = torch.ones(hidden, dtype=dtype)
+    launch(prefix, blocks, 1, w, w, 1e-6, torch.empty_like(prefix), kind="row",
+           prefill_tokens=1)
+    launch(prefix, blocks, 1, w, w, 1e-6, torch.empty_like(prefix), kind="row",
+           prefill_tokens=1,
+           loop_stages=2)
+    assert seen == [stages, 2]
+    assert (stages > 1) == (2 * triton.next_power_of_2(hidden) * prefix.element_size()
+                            <= mod.LOOP_SMEM_BYTES)
+
+
 def test_launcher_rejects_bad_indices() -> None:
     x = make_inputs(replace(_K3, has_delta=False), 0)
     out = torch.empty_like(x.prefix)
@@ -824,8 +860,12 @@ class TestAttnResCuda:
             run_and_check(c, seed=nb, bf16_casts_truncate=False, device="cuda")
 
     def test_split_kernel_in_a_cuda_graph(self) -> None:
-        """Captured once, replayed several times: the barrier counters (left at zero by
-        every launch) and the partial sums stay right."""
+        """Captured once, replayed several times: the barrier counters (the stream's
+        cached buffer, left at a multiple of the epoch by every launch, never reset) and
+        the partial sums stay right."""
+        from k3fusion.kernels import _launch
+        from k3fusion.kernels.attn_res import SYNC_EPOCH
+
         c = replace(_K3, T=3, H=7168, num_blocks=8, nb_max=9, write_idx=-1, chunk=512,
                     inplace=False)
         x = make_inputs(c, 5, "cuda")
@@ -839,6 +879,10 @@ class TestAttnResCuda:
 
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
+            step()  # eager first, on the capture stream: its counter buffer is cached now
+            torch.cuda.synchronize()
+            key = ("attn_res", "cuda", x.prefix.device.index, stream.cuda_stream)
+            counters = _launch._counter_buffers[key]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 step()
@@ -851,6 +895,10 @@ class TestAttnResCuda:
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(bits(out), bits(expected_out))
+        # The graph used the cached counters (no per-capture buffer), which kept growing.
+        assert _launch._counter_buffers[key] is counters
+        used = counters[:c.T]
+        assert bool((used > 0).all()) and bool((used % SYNC_EPOCH.value == 0).all()), used
 
     def test_int64_offsets(self) -> None:
         """A bank whose last slot starts past 2**31 elements (4 GiB of bf16): int32

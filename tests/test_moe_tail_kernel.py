@@ -560,13 +560,20 @@ def test_cuda_compiled_tail_runs_the_kernel():
 
 @pytest.mark.cuda
 def test_cuda_graph_replay_split_k():
-    """Split-K counters reset themselves: replays (new inputs each time) stay correct."""
+    """Split-K counters reset themselves: replays (new inputs each time) stay correct, and
+    the capture stream's cached counters -- which the graph uses -- end every replay at 0."""
+    from k3fusion.kernels import _launch
+
     x, s, w, up = _k3_inputs(8, seed=4)
-    launch(x, s, w, 1e-6, up, split_k=4)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = launch(x, s, w, 1e-6, up, split_k=4)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch(x, s, w, 1e-6, up, split_k=4)  # compile, and cache this stream's counters
+        torch.cuda.synchronize()
+        key = ("moe_tail", "cuda", x.device.index, stream.cuda_stream)
+        locks = _launch._counter_buffers[key]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            y = launch(x, s, w, 1e-6, up, split_k=4)
     for seed in (5, 6, 7):
         x2, s2, _, _ = _k3_inputs(8, seed=seed)
         x.copy_(x2)
@@ -575,10 +582,7 @@ def test_cuda_graph_replay_split_k():
         torch.cuda.synchronize()
         ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=False)
         assert_within(y, ref, bound, f"replay {seed}")
-    from k3fusion.kernels import _launch
-
-    locks = [b for key, b in _launch._counter_buffers.items() if key[0] == "moe_tail"]
-    assert locks and all(int(b.abs().sum()) == 0 for b in locks)
+        assert _launch._counter_buffers[key] is locks and int(locks.abs().sum()) == 0
 
 
 # ============================================================================ the benchmark (CPU parts)

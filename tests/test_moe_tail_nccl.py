@@ -1,6 +1,8 @@
 """The latent-MoE tail tiers over NCCL, one GPU per rank, at Kimi-K3 widths (bf16, L = 3584,
-H = 7168): every tier forced at T around its thresholds equals the exact tail within the
-bound of ``test_moe_tail_tiers`` (and the two tiers that run the reference's op sequence
+H = 7168): every NCCL tier (replicated, overlap, column-parallel; the fused tail needs the
+opt-in symm-mem implementation at tp > 1, tested in ``test_moe_tail_symm``) forced at T
+from 0 to 4096, across the overlap threshold (default and one above) and around the
+symm-mem tail's limit, equals the exact tail within the bound of ``test_moe_tail_tiers`` (and the two tiers that run the reference's op sequence
 equal the NCCL reference bit for bit), every rank's output is the same, and every rank's
 ``select_tier`` picks the same tier. Skipped without enough GPUs (``pytest -m cuda``).
 """
@@ -19,11 +21,10 @@ U_BF16 = 2.0**-8
 
 def _tokens():
     from k3fusion.config import FusionConfig
+    from k3fusion.moe_tail_symm import SELECT_MAX_TOKENS
 
-    cfg = FusionConfig()
-    thr = cfg.shared_experts_stream_token_threshold
-    return sorted({0, 1, cfg.fused_tail_max_tokens, cfg.fused_tail_max_tokens + 1,
-                   thr, thr + 1, 4096})
+    thr = FusionConfig().shared_experts_stream_token_threshold
+    return sorted({0, 1, 16, thr, thr + 1, SELECT_MAX_TOKENS, SELECT_MAX_TOKENS + 1, 4096})
 
 
 def _tiers_on_rank(rank: int, world: int, group, tokens_list) -> dict:

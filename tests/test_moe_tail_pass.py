@@ -350,7 +350,7 @@ def test_gloo_compiled_tail_equals_eager(world):
 @pytest.mark.cuda
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_nccl_compiled_tail_equals_eager(world):
-    """The same over NCCL, one GPU per rank: the group name read from a CUDA graph resolves
+    """The same over NCCL, one GPU per rank: the group name read from the FX graph resolves
     to the NCCL group at run time (torch's process-group registry), and the tail equals the
     eager one on every rank."""
     if torch.cuda.device_count() < world:

@@ -562,8 +562,25 @@ def test_implementation_selection_limit():
             is Tier.REPLICATED  # the config's cap is below the implementation's
         assert moe_tail.select_tier(3, 64, 1, "cpu", force="tail_fusion") is Tier.TAIL_FUSION
         assert moe_tail.tier_unavailable_reason("tail_fusion", 3, 64, 1, "cpu") is None
+        # A second implementation without a limit: above the first one's limit it is the
+        # one selected, and the one that runs; at or below it, the first (registry order).
+        ran = []
+
+        def run_b(r, s, w, eps, up, group, wf):
+            ran.append(r.shape[0])
+            return reference.latent_moe_tail(r, s, w, eps, up)
+        moe_tail.register_tail_fusion(moe_tail.TailFusionImpl(
+            "test-limit-b", lambda t, h, tp, dev: None, run_b, ("cpu",)))
+        x, s = partials(2, 0, (3,), 64, torch.float32)
+        w, up = weights(2, 64, torch.float32)
+        y, tier = moe_tail.run_latent_moe_tail(x, s, w, EPS, up, config=cfg)
+        assert tier is Tier.TAIL_FUSION and ran == [3]
+        moe_tail.run_latent_moe_tail(x[:2], s[:2], w, EPS, up, config=cfg)
+        assert ran == [3]  # T = 2: the first implementation ran
     finally:
         moe_tail.unregister_tail_fusion("test-limit")
+        if any(i.name == "test-limit-b" for i in moe_tail.tail_fusion_impls()):
+            moe_tail.unregister_tail_fusion("test-limit-b")
 
 
 # ---------------------------------------------------------------------------- config / env

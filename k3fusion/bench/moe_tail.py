@@ -14,8 +14,8 @@ inputs (weights included) rotated to outgrow L2:
 * ``inductor``: default ``torch.compile`` of it (a norm kernel + cuBLAS ``addmm``);
 * ``kernel``: the fused kernel called directly (``k3fusion.kernels.moe_tail``, its
   default launch config, any T <= 64);
-* ``op``: ``torch.ops.k3fusion.latent_moe_tail`` (tier selected per call: the kernel
-  for T <= ``fused_tail_max_tokens``, the replicated form above);
+* ``op``: ``torch.ops.k3fusion.latent_moe_tail`` (tier selected per call: the kernel up
+  to its ``select_max_tokens``, 16, the replicated form above -- tp = 1);
 * the HBM floor: reading ``up_w``, the routed and shared rows and writing the output
   once at 4.3 TB/s.
 
@@ -121,7 +121,8 @@ def config_label(cfg) -> str:
 
 def _sweep(t: int, sets) -> dict:
     """``{label: us}`` over the grid, the default config's label, and the fastest."""
-    from k3fusion.kernels.moe_tail import LaunchConfig, _num_sms, pick_launch_config
+    from k3fusion.kernels.moe_tail import (LaunchConfig, _num_sms, _resolve_config,
+                                           pick_launch_config)
     from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
 
     default = pick_launch_config(t, HIDDEN, LATENT, DTYPE, _num_sms(torch.device(DEVICE)))
@@ -142,7 +143,15 @@ def _sweep(t: int, sets) -> dict:
 
     times, configs = {}, {}
 
-    def add(cfg: LaunchConfig) -> None:
+    def add(cfg: LaunchConfig, swap_ab=None) -> None:
+        # The operand order: as given, else what the launcher would pick for this shape
+        # (it swaps only where the weight-tile stages fit in shared memory).
+        if swap_ab is None:
+            swap_ab = _resolve_config(t, HIDDEN, LATENT, DTYPE, torch.device(DEVICE),
+                                      cfg.block_n, cfg.block_k, cfg.num_warps,
+                                      cfg.num_stages, cfg.split_k, cfg.norm_block_k,
+                                      cfg.scale_after).swap_ab
+        cfg = replace(cfg, swap_ab=swap_ab)
         label = config_label(cfg)
         if label not in times:
             configs[label] = cfg
@@ -157,6 +166,7 @@ def _sweep(t: int, sets) -> dict:
             add(replace(configs[label], block_k=bk))
         for pk in SWEEP_NORM_BLOCK_K:
             add(replace(configs[label], norm_block_k=pk))
+        add(configs[label], swap_ab=not configs[label].swap_ab)  # the other operand order
     # The scale-after form (no norm prologue; its sums of squares split with K), where
     # split-K can fill the SMs: 112 column tiles x 7 splits = 784 programs ~ 6 waves.
     for bn, sk in itertools.product(SWEEP_BLOCK_N[:3], SWEEP_SCALE_AFTER_SPLIT_K):
