@@ -64,25 +64,29 @@ def _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_i
     return y1, y2
 
 
-@dual_rms_norm.register_kernel("cuda")
-def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
-      eps1_tensor=None, eps2_tensor=None):
+def _dual_rms_norm_impl(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2,
+                        eps1_tensor, eps2_tensor, use_kernel: bool):
     _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
     eps1 = _eps_value(eps1, eps1_tensor, "eps1_tensor")
     eps2 = _eps_value(eps2, eps2_tensor, "eps2_tensor")
-    return _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
+    if use_kernel:
+        return _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
+    y1, y2 = reference.dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
+    # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
+    return y1.contiguous(), y2.contiguous()
+
+
+@dual_rms_norm.register_kernel("cuda")
+def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+      eps1_tensor=None, eps2_tensor=None):
+    return _dual_rms_norm_impl(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2,
+                               eps1_tensor, eps2_tensor, True)
 
 
 @dual_rms_norm.register_kernel("cpu")
 def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
       eps1_tensor=None, eps2_tensor=None):
-    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
-    eps1 = _eps_value(eps1, eps1_tensor, "eps1_tensor")
-    eps2 = _eps_value(eps2, eps2_tensor, "eps2_tensor")
     from k3fusion.kernels._launch import interpreter_enabled
 
-    if interpreter_enabled():
-        return _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
-    y1, y2 = reference.dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
-    # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
-    return y1.contiguous(), y2.contiguous()
+    return _dual_rms_norm_impl(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2,
+                               eps1_tensor, eps2_tensor, interpreter_enabled())
