@@ -80,6 +80,19 @@ _ALIGN = 16
 
 
 @triton.jit
+def _swap_flags(flags, live, FROM: tl.constexpr, TO: tl.constexpr, SEM: tl.constexpr):
+    """Turn every live lane's flag from ``FROM`` into ``TO``, retrying a lane while its flag
+    holds the other value (a raise waits for the previous flag to be consumed, a consume
+    for the flag to arrive). Lanes already done compare-and-swap 2 -> 2 (flags are 0 or 1):
+    nothing is written."""
+    todo = live
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        old = tl.atomic_cas(flags, tl.where(todo, FROM, 2), tl.where(todo, TO, 2), sem=SEM,
+                            scope="sys")
+        todo = todo & (old != FROM)
+
+
+@triton.jit
 def _put_flags(pad_ptrs, slot, rank, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
                SEM: tl.constexpr):
     """Raise this rank's flag in ``slot`` of every rank's signal pad (its own included)."""
@@ -87,14 +100,7 @@ def _put_flags(pad_ptrs, slot, rank, WORLD: tl.constexpr, WORLD_P2: tl.constexpr
     live = peers < WORLD
     # Padding lanes (WORLD not a power of two) aim at this rank's own flag and never write.
     pads = tl.load(pad_ptrs + tl.where(live, peers, rank)).to(tl.pointer_type(tl.int32))
-    flags = pads + slot * WORLD + rank
-    todo = live
-    while tl.max(todo.to(tl.int32), axis=0) > 0:
-        # 0 -> 1; a 1 still there is the previous flag, not yet consumed: retry. Lanes
-        # already done compare-and-swap 2 -> 2 (flags are 0 or 1): nothing is written.
-        old = tl.atomic_cas(flags, tl.where(todo, 0, 2), tl.where(todo, 1, 2), sem=SEM,
-                            scope="sys")
-        todo = todo & (old != 0)
+    _swap_flags(pads + slot * WORLD + rank, live, 0, 1, SEM)
 
 
 @triton.jit
@@ -104,12 +110,7 @@ def _wait_flags(pad_ptrs, slot, rank, WORLD: tl.constexpr, WORLD_P2: tl.constexp
     peers = tl.arange(0, WORLD_P2)
     live = peers < WORLD
     mine = tl.load(pad_ptrs + rank).to(tl.pointer_type(tl.int32))
-    flags = mine + slot * WORLD + tl.where(live, peers, rank)
-    todo = live
-    while tl.max(todo.to(tl.int32), axis=0) > 0:
-        old = tl.atomic_cas(flags, tl.where(todo, 1, 2), tl.where(todo, 0, 2), sem=SEM,
-                            scope="sys")
-        todo = todo & (old != 1)
+    _swap_flags(mine + slot * WORLD + tl.where(live, peers, rank), live, 1, 0, SEM)
 
 
 # ---------------------------------------------------------------------- data movement
