@@ -401,7 +401,7 @@ class LaunchShape:
 def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | None = None,
                       sources_per_tile: int = 0, num_warps: int = 0, kind: str = "auto",
                       chunk: int = 0, split_max_tokens: int | None = None,
-                      loop_stages: int = 0) -> LaunchShape:
+                      loop_stages: int = 0, element_size: int = 2) -> LaunchShape:
     """Launch shape for ``T`` tokens of width ``H`` with ``num_blocks`` completed blocks.
 
     * split kernel for ``T <= split_max_tokens`` (default :data:`SPLIT_MAX_TOKENS`) and
@@ -410,12 +410,15 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
     * else the row kernel: decode shape (T < ``prefill_tokens``, default
       :data:`PREFILL_TOKENS`) :data:`DECODE_SOURCES_PER_TILE` sources per tile, 64 tile
       elements per thread, source loop not pipelined; prefill shape
-      :data:`PREFILL_SOURCES_PER_TILE`, 32 per thread, :data:`PREFILL_LOOP_STAGES` deep;
-      never more sources per tile than there are sources (rounded up to a power of two).
+      :data:`PREFILL_SOURCES_PER_TILE`, 32 per thread, :data:`PREFILL_LOOP_STAGES` deep
+      (unpipelined where the buffers of ``element_size``-byte sources would take more
+      than :data:`LOOP_SMEM_BYTES`); never more sources per tile than there are sources
+      (rounded up to a power of two).
 
     ``num_blocks`` is a runtime argument of both kernels: it only picks among these
     shapes. ``kind`` ("split"/"row"), ``chunk``, ``sources_per_tile`` and ``num_warps``
-    override (tests, the benchmark sweep); ``sources_per_tile > 0`` implies the row kernel.
+    override (tests, the benchmark sweep); ``sources_per_tile > 0`` implies the row kernel;
+    a ``loop_stages`` given is taken as is.
     """
     if kind not in ("auto", "split", "row"):
         raise ValueError(f"kind must be 'auto', 'split' or 'row', got {kind!r}")
@@ -456,6 +459,8 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
         raise ValueError(f"loop_stages must be an int >= 0 (0: automatic), got {loop_stages!r}")
     if loop_stages == 0:
         loop_stages = PREFILL_LOOP_STAGES if prefill else 1
+        if (loop_stages - 1) * sources_per_tile * block_h * element_size > LOOP_SMEM_BYTES:
+            loop_stages = 1  # its buffers would not fit in shared memory
     return LaunchShape("row", num_warps, block_h, sources_per_tile=sources_per_tile,
                        loop_stages=loop_stages)
 
@@ -519,12 +524,7 @@ def attn_res(
     shape = pick_launch_shape(T, H, num_blocks, prefill_tokens=prefill_tokens,
                               sources_per_tile=sources_per_tile, num_warps=num_warps,
                               kind=kind, chunk=chunk, split_max_tokens=split_max_tokens,
-                              loop_stages=loop_stages)
-    if shape.kind == "row" and loop_stages == 0 and shape.loop_stages > 1:
-        tile_bytes = shape.sources_per_tile * shape.block_h * blocks.element_size()
-        if (shape.loop_stages - 1) * tile_bytes > LOOP_SMEM_BYTES:
-            shape = LaunchShape("row", shape.num_warps, shape.block_h,
-                                sources_per_tile=shape.sources_per_tile, loop_stages=1)
+                              loop_stages=loop_stages, element_size=blocks.element_size())
     has_delta = delta is not None
     has_norm = out_norm_w is not None
     common = (

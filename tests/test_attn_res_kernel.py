@@ -666,6 +666,11 @@ def test_pick_launch_shape() -> None:
     assert decode.loop_stages == 1
     assert pick_launch_shape(PREFILL_TOKENS - 1, H, 8, kind="row").sources_per_tile == 4
     assert pick_launch_shape(4096, H, 8, loop_stages=2).loop_stages == 2
+    # the prefill pipeline only where its buffers fit (the launcher passes the dtype's size)
+    assert pick_launch_shape(4096, 32768, 8).loop_stages == PREFILL_LOOP_STAGES
+    assert pick_launch_shape(4096, 32769, 8).loop_stages == 1
+    assert pick_launch_shape(4096, 16385, 8, element_size=4).loop_stages == 1
+    assert pick_launch_shape(4096, 32769, 8, loop_stages=3).loop_stages == 3
     with pytest.raises(ValueError, match="loop_stages"):
         pick_launch_shape(4096, H, 8, loop_stages=-1)
     assert pick_launch_shape(64, H, 8, split_max_tokens=63).kind == "row"
