@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ulp", "assert_close_ulps", "dual_norm_tolerance", "FP32_ULPS"]
+__all__ = ["ulp", "assert_close_ulps", "dual_norm_tolerance", "FP32_ULPS",
+           "latent_tail_exact_and_bound"]
 
 _MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 # Exponent of the smallest normal number; below it the spacing stays 2**(min - mantissa).
@@ -185,3 +186,23 @@ def assert_matches_reference(
     assert_close_ulps(y, expected, ulps, ulp_dtype=ulp_dtype, msg=msg)
     if not weight_in_fp32 and x.dtype != torch.float32 and y.dtype == torch.float32:
         assert_on_input_grid(y, w, x.dtype, msg=msg)
+
+
+def latent_tail_exact_and_bound(xs: torch.Tensor, ss: torch.Tensor, norm_w: torch.Tensor,
+                                up_w: torch.Tensor, eps: float, unit_roundoff: float):
+    """The exact latent-MoE tail of every rank's partials and the per-element bound any tier
+    must meet (derived in ``test_moe_tail_tiers``'s module docstring).
+
+    ``xs [tp, ..., L]`` / ``ss [tp, ..., H]``: the ranks' routed and shared partials;
+    everything is taken in fp64. Returns ``(exact, bound)``, both ``[..., H]``.
+    """
+    xs, ss = xs.double(), ss.double()
+    w, up = norm_w.double(), up_w.double()
+    x, s = xs.sum(0), ss.sum(0)
+    inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    h = x * inv * w
+    tp, latent = xs.shape[0], xs.shape[-1]
+    carried = (h.abs() + inv * w.abs() * xs.abs().sum(0)) @ up.abs().T
+    bound = ((2 * tp + 8) * unit_roundoff * (ss.abs().sum(0) + carried)
+             + latent * 2.0**-24 * (h.abs() @ up.abs().T))
+    return s + h @ up.T, bound

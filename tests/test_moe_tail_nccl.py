@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _gloo import run_ranks
+from _tolerances import latent_tail_exact_and_bound
 
 LATENT, HIDDEN = 3584, 7168
 EPS = 1e-6
@@ -46,16 +47,8 @@ def _tiers_on_rank(rank: int, world: int, group, tokens_list) -> dict:
         ss = [torch.empty_like(s) for _ in range(world)]
         dist.all_gather(xs, x)
         dist.all_gather(ss, s)
-        x_all = torch.stack(xs).double()
-        s_all = torch.stack(ss).double()
-        x64, s64 = x_all.sum(0), s_all.sum(0)
-        inv = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
-        w64, up64 = norm_w.double(), up_w.double()
-        h = x64 * inv * w64
-        exact = s64 + h @ up64.T
-        carried = (h.abs() + inv * w64.abs() * x_all.abs().sum(0)) @ up64.abs().T
-        bound = ((2 * world + 8) * U_BF16 * (s_all.abs().sum(0) + carried)
-                 + LATENT * 2.0**-24 * (h.abs() @ up64.abs().T))
+        exact, bound = latent_tail_exact_and_bound(torch.stack(xs), torch.stack(ss), norm_w,
+                                                   up_w, EPS, U_BF16)
         ref = reference.latent_moe_tail(x, s, norm_w, EPS, up_w, group)
         x_before, s_before = x.clone(), s.clone()
         facts = {"auto": moe_tail.select_tier(tokens, HIDDEN, world, dev).value}

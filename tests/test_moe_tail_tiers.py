@@ -34,6 +34,7 @@ import torch
 
 import k3fusion
 from _gloo import run_ranks
+from _tolerances import latent_tail_exact_and_bound
 from k3fusion import moe_tail, reference
 from k3fusion.config import FusionConfig, load_config
 from k3fusion.moe_tail import Tier, TierUnavailableError
@@ -68,18 +69,10 @@ def weights(seed: int, hidden: int, dtype: torch.dtype):
 def exact_and_bound(seed, ranks, lead, hidden, dtype):
     """fp64 exact tail of the ranks' partials, and the per-element error bound (module doc)."""
     parts = [partials(seed, r, lead, hidden, dtype) for r in ranks]
-    norm_w, up_w = (w.double() for w in weights(seed, hidden, dtype))
-    xs = torch.stack([p[0].double() for p in parts])
-    ss = torch.stack([p[1].double() for p in parts])
-    x, s = xs.sum(0), ss.sum(0)
-    inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
-    h = x * inv * norm_w
-    y = s + h @ up_w.T
-    tp, u = len(ranks), UNIT_ROUNDOFF[dtype]
-    carried = (h.abs() + inv * norm_w.abs() * xs.abs().sum(0)) @ up_w.abs().T
-    bound = ((2 * tp + 8) * u * (ss.abs().sum(0) + carried)
-             + LATENT * 2.0**-24 * (h.abs() @ up_w.abs().T))
-    return y, bound
+    norm_w, up_w = weights(seed, hidden, dtype)
+    return latent_tail_exact_and_bound(torch.stack([p[0] for p in parts]),
+                                       torch.stack([p[1] for p in parts]), norm_w, up_w, EPS,
+                                       UNIT_ROUNDOFF[dtype])
 
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str):
