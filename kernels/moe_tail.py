@@ -351,8 +351,8 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     if swap_ab is None:
         # The swapped dot keeps every pipeline stage of the weight tile in shared memory
         # (wgmma reads its M side from there): where that would not fit, do not swap.
-        item = torch.empty((), dtype=dtype).element_size()
-        swap_ab = auto.swap_ab and block_n * block_k * item * num_stages <= SWAP_AB_SMEM_BYTES
+        swap_ab = (auto.swap_ab
+                   and block_n * block_k * dtype.itemsize * num_stages <= SWAP_AB_SMEM_BYTES)
     return LaunchConfig(block_n=block_n, block_k=block_k,
                         num_warps=num_warps or auto.num_warps,
                         num_stages=num_stages, split_k=split,

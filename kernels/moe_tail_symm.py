@@ -251,9 +251,9 @@ def channel_programs(world: int, pad_bytes: int) -> int:
 def packed_layout(tokens: int, latent: int, hidden: int, routed_dtype: torch.dtype,
                   shared_dtype: torch.dtype) -> tuple[int, int]:
     """``(shared segment offset, bytes used)`` of one rank's buffer for a call."""
-    routed_bytes = tokens * latent * torch.empty((), dtype=routed_dtype).element_size()
+    routed_bytes = tokens * latent * routed_dtype.itemsize
     offset = cdiv(routed_bytes, _ALIGN) * _ALIGN
-    return offset, offset + tokens * hidden * torch.empty((), dtype=shared_dtype).element_size()
+    return offset, offset + tokens * hidden * shared_dtype.itemsize
 
 
 def pick_programs(n_routed: int, n_shared: int, block: int, world: int, pad_bytes: int) -> int:

@@ -76,7 +76,7 @@ def _inputs(tokens: int, args, rank: int) -> list[tuple]:
     from k3fusion.bench.timing import sets_to_outgrow_l2
 
     dt, latent, hidden = DTYPES[args.dtype], args.latent, args.hidden
-    item = torch.empty((), dtype=dt).element_size()
+    item = dt.itemsize
     set_bytes = (hidden * latent + tokens * (latent + hidden)) * item
     sets = []
     for i in range(sets_to_outgrow_l2(set_bytes, most=4)):
@@ -138,7 +138,7 @@ def _one_t(tokens: int, args, group, rank: int, world: int, symm: bool) -> dict:
         row[f"{name}_us"] = None if slowest == float("inf") else slowest
         if error is not None:
             row[f"{name}_error"] = f"rank {rank}: {error}"
-    item = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    item = DTYPES[args.dtype].itemsize
     row["floor_us"] = hbm_floor_us(args.hidden * args.latent * item)  # reading up_w once
     del sets, exact
     torch.cuda.empty_cache()
