@@ -10,9 +10,9 @@ they differ in where the up-projection FLOPs and the collectives go:
     where a registered implementation supports the platform and tp
     (:func:`register_tail_fusion`). Importing this module registers ``"triton"``
     (``k3fusion.kernels.moe_tail``: CUDA, tp = 1, ``0 < T <= MAX_TOKENS`` = 64; selection
-    stops at its measured ``select_max_tokens`` = 16, and at ``fused_tail_max_tokens``). None is registered for CPU, so there it
-    is never selected and forcing it is an error (the kernel itself runs on CPU in
-    Triton's interpreter, called directly, for tests).
+    stops at its measured ``select_max_tokens`` = 16, and at ``fused_tail_max_tokens``).
+    None is registered for CPU, so there it is never selected and forcing it is an error
+    (the kernel itself runs on CPU in Triton's interpreter, called directly, for tests).
 ``ALLREDUCE_OVERLAP``
     The shared-expert all-reduce runs concurrently with the replicated up-projection:
     on CUDA on a side stream ordered by events (no host sync, CUDA-graph safe); on CPU
