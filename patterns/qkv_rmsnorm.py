@@ -9,7 +9,8 @@ In an MLA block both latents are projections of the same hidden state::
 Two recognized RMSNorms are paired when neither depends on the other and their inputs
 share a source (``pairing_source``):
 
-* projections (mm/addmm, up to views) of the same activation -- the MLA block above;
+* projections (mm/addmm, up to views) of the same activation -- the MLA block above --
+  also where Inductor's ``pad_mm`` gave each projection its own row-padded copy of it;
 * views of the same tensor -- a fused ``q_a + kv_a`` projection split into q_c and kv_c;
 * inputs of the compiled region -- their producer lies outside the graph, and two
   independent norms of inputs are always safe to run in one launch.
@@ -28,7 +29,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ._fx import (VIEW_OPS, NoMatch, apply_size_reads, erase_unused, fake_call, hoist_before,
-                  is_op, matmul_operands, plan_size_reads)
+                  is_op, matmul_operands, plan_size_reads, row_padded)
 from .rms_norm import RMSNormMatch, eps_op_args
 
 __all__ = ["FUSION_NAME", "REGION_INPUTS", "pairing_source", "pair_qkv_norms", "fuse_qkv_rmsnorm"]
@@ -51,7 +52,10 @@ def pairing_source(x: Node) -> object:
     base = _strip_views(x)
     product = matmul_operands(base)
     if product is not None:
-        return _strip_views(product[0])
+        a = _strip_views(product[0])
+        # Each projection's own row padding (pad_mm) of the one hidden state: that state.
+        padded = row_padded(a)
+        return a if padded is None else _strip_views(padded)
     if isinstance(base, Node) and base.op in ("placeholder", "get_attr"):
         return REGION_INPUTS
     return base
