@@ -16,10 +16,10 @@ Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Per 
    ``k3fusion.reference.rms_norm`` (cast-then-weight rounds the normalized row to the
    prefix dtype before the weight multiply; ``OUT_WEIGHT_IN_FP32`` does not).
 
-Two kernels, one per regime (the four feature switches are constexpr in both, so dead
-code compiles out):
+Two kernels (the four feature switches are constexpr in both, so dead code compiles out);
+the row kernel runs by default at every T, the split kernel is opt-in:
 
-* **split** (decode, T <= :data:`SPLIT_MAX_TOKENS`): ``cdiv(H, CHUNK)`` programs per
+* **split** (opt-in; T <= :data:`SPLIT_MAX_TOKENS`, 0 by default): ``cdiv(H, CHUNK)`` programs per
   token, each holding its ``CHUNK`` columns of *every* source in registers at once (a
   ``[S_PAD, CHUNK]`` tile), so a token's bytes are in flight on many SMs at the same time
   instead of one source after the other on one SM. The logits need whole-row sums: each
@@ -29,7 +29,7 @@ code compiles out):
   mix (the spec): a second partial-sum exchange. (Taking it from the Gram matrix of the
   sources instead -- one exchange -- squares the unrounded mix, which differs from the
   spec by the rounding's bias: ~1% under the interpreter's truncating casts.)
-* **row** (prefill, large T): one program per token and an online (streaming) softmax
+* **row** (the default, every T): one program per token and an online (streaming) softmax
   over sources, each source row read once: the prefix (already in registers) seeds the
   running max ``m``, denominator ``den`` and mix ``acc[H]``; blocks are streamed
   ``SOURCES_PER_TILE`` rows at a time::
@@ -85,7 +85,8 @@ from ._launch import cdiv, check_launchable, counter_buffer, interpreter_enabled
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
-           "SPLIT_CHUNK", "SPLIT_MAX_PROGRAMS", "SPLIT_MAX_SOURCES", "PREFILL_LOOP_STAGES"]
+           "SPLIT_CHUNK", "SPLIT_MAX_PROGRAMS", "SPLIT_MAX_SOURCES", "PREFILL_LOOP_STAGES",
+           "EARLY_TILE_MAX_TOKENS"]
 
 #: From this many tokens on, the row kernel uses its prefill shape. Measured on the H200
 #: (bf16, H = 7168, 9 sources; docs/benchmarks.md): the decode shape 4x16 (unpipelined)
@@ -103,12 +104,18 @@ PREFILL_LOOP_STAGES = 3
 #: ``LOOP_STAGES - 1`` buffers of a source tile); wider rows run unpipelined (the H200 has
 #: 227 KiB per block; H = 7168 bf16 takes 32 KiB).
 LOOP_SMEM_BYTES = 160 * 1024
-#: Up to this many tokens the split kernel runs. Measured on the H200 (bf16, H = 7168, 9
-#: sources, docs/benchmarks.md): split 6.50 us vs row 7.10 at T = 1, 6.69 vs 7.57 at 8;
-#: at 16 the split kernel took 9.18 us where the row kernel takes 8.83 at 32 already,
-#: and from 128 on it loses by far (the barrier exchanges cost each token ~2 us, which
-#: many tokens no longer hide).
-SPLIT_MAX_TOKENS = 8
+#: Up to this many tokens the row kernel's decode shape loads its first source tile
+#: before the prefix (``EARLY_TILE``: the two HBM round trips overlap instead of following
+#: each other). Measured on the H200 (bf16, H = 7168, 9 sources, two interleaved runs;
+#: docs/benchmarks.md): 7.09 -> 6.81 us at T = 1, 8.96 -> 8.17 at 16, 9.00 -> 8.23 at 32,
+#: 9.87 -> 9.37 at 64, 10.7 -> 10.6 at 96, but 11.4 -> 11.7 at 128.
+EARLY_TILE_MAX_TOKENS = 64
+#: Up to this many tokens the split kernel runs: none by default (it is opt-in, ``kind=
+#: "split"`` or ``split_max_tokens``). Measured on the H200 (same runs): the row kernel
+#: with its early tile took 6.81 / 6.96 us at T = 1 against the split kernel's 7.00 /
+#: 7.67, 6.88 against 7.57 at 4, and 7.00 / 7.26 against 6.67 / 7.79 at 8 -- no T where
+#: the split kernel's two barrier exchanges (~1.2 us each) reliably paid for themselves.
+SPLIT_MAX_TOKENS = 0
 #: Columns per program of the split kernel (7 programs per 7168-wide token) ...
 SPLIT_CHUNK = 1024
 #: ... and warps: 1024 x 4 was the fastest or within 0.1 us of it at T = 1 and 8 in the
@@ -162,6 +169,21 @@ def _store_output(out_ptr, mixed, cmask, out_norm_w_ptr, inv_rms,
 # ---------------------------------------------------------------------- row kernel
 
 
+@triton.jit
+def _online_step(m, den, acc, x, s, num_blocks, g, H, eps):
+    """Fold a tile of source rows ``x`` (fp32; rows ``s``, those >= num_blocks masked)
+    into the running max ``m``, denominator ``den`` and mix ``acc``."""
+    smask = s < num_blocks
+    logit = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps) * tl.sum(x * g[None, :], axis=1)
+    logit = tl.where(smask, logit, float("-inf"))
+    m_new = tl.maximum(m, tl.max(logit, axis=0))
+    scale = tl.exp(m - m_new)
+    w = tl.exp(logit - m_new)  # 0 for the masked rows
+    den = den * scale + tl.sum(w, axis=0)
+    acc = acc * scale + tl.sum(w[:, None] * x, axis=0)
+    return m_new, den, acc
+
+
 @triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
 def _attn_res_kernel(
     prefix_ptr, prefix_stride,
@@ -176,6 +198,7 @@ def _attn_res_kernel(
     BLOCK_H: tl.constexpr,
     SOURCES_PER_TILE: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
+    EARLY_TILE: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     WRITE_BLOCK: tl.constexpr,
     HAS_OUT_NORM: tl.constexpr,
@@ -187,9 +210,16 @@ def _attn_res_kernel(
     cmask = cols < H
     dtype = prefix_ptr.dtype.element_ty
 
+    blocks_row = blocks_ptr + tok * blocks_token_stride
+    srcs = tl.arange(0, SOURCES_PER_TILE)
+    if EARLY_TILE:
+        # The first source tile does not depend on the prefix: issued before the prefix
+        # load, the two HBM round trips overlap instead of following each other.
+        x_first = tl.load(
+            blocks_row + srcs.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
+            mask=(srcs < num_blocks)[:, None] & cmask[None, :], other=0.0)
     p = _update_prefix(prefix_ptr + tok * prefix_stride, delta_ptr + tok * delta_stride,
                        prefix_out_ptr + tok * prefix_out_stride, cols, cmask, HAS_DELTA)
-    blocks_row = blocks_ptr + tok * blocks_token_stride
     if WRITE_BLOCK:
         tl.store(blocks_row + block_write_idx.to(tl.int64) * blocks_block_stride + cols, p,
                  mask=cmask)
@@ -206,26 +236,22 @@ def _attn_res_kernel(
         m = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps) * tl.sum(v * g, axis=0)
         den = tl.full([], 1.0, tl.float32)
         acc = v
-        srcs = tl.arange(0, SOURCES_PER_TILE)
+        first = 0
+        if EARLY_TILE:
+            m, den, acc = _online_step(m, den, acc, x_first.to(tl.float32), srcs, num_blocks,
+                                       g, H, eps)
+            first = SOURCES_PER_TILE
         # LOOP_STAGES > 1: the next tiles' loads are in flight (cp.async into shared
         # memory) while this one is reduced; a plain loop waits a full HBM round trip
         # per tile (a loop without a dot is not pipelined by default).
-        for s0 in tl.range(0, num_blocks, SOURCES_PER_TILE, num_stages=LOOP_STAGES):
+        for s0 in tl.range(first, num_blocks, SOURCES_PER_TILE, num_stages=LOOP_STAGES):
             s = s0 + srcs
-            smask = s < num_blocks
             x = tl.load(
                 blocks_row + s.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
-                mask=smask[:, None] & cmask[None, :],
+                mask=(s < num_blocks)[:, None] & cmask[None, :],
                 other=0.0,
             ).to(tl.float32)
-            logit = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps) * tl.sum(x * g[None, :], axis=1)
-            logit = tl.where(smask, logit, float("-inf"))
-            m_new = tl.maximum(m, tl.max(logit, axis=0))
-            scale = tl.exp(m - m_new)
-            w = tl.exp(logit - m_new)  # 0 for the masked rows
-            den = den * scale + tl.sum(w, axis=0)
-            acc = acc * scale + tl.sum(w[:, None] * x, axis=0)
-            m = m_new
+            m, den, acc = _online_step(m, den, acc, x, s, num_blocks, g, H, eps)
         mixed = acc / den
 
     # The spec rounds the mix to the model dtype (a module materializes it) before the
@@ -396,12 +422,15 @@ class LaunchShape:
     chunk: int = 0
     #: Row kernel: software-pipeline depth of its source loop (1: not pipelined).
     loop_stages: int = 1
+    #: Row kernel: load the first source tile before the prefix (its own round trip).
+    early_tile: bool = False
 
 
 def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | None = None,
                       sources_per_tile: int = 0, num_warps: int = 0, kind: str = "auto",
                       chunk: int = 0, split_max_tokens: int | None = None,
-                      loop_stages: int = 0, element_size: int = 2) -> LaunchShape:
+                      loop_stages: int = 0, element_size: int = 2,
+                      early_tile: bool | None = None) -> LaunchShape:
     """Launch shape for ``T`` tokens of width ``H`` with ``num_blocks`` completed blocks.
 
     * split kernel for ``T <= split_max_tokens`` (default :data:`SPLIT_MAX_TOKENS`) and
@@ -409,7 +438,8 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
       (no wider than the row), :data:`SPLIT_NUM_WARPS` warps;
     * else the row kernel: decode shape (T < ``prefill_tokens``, default
       :data:`PREFILL_TOKENS`) :data:`DECODE_SOURCES_PER_TILE` sources per tile, 64 tile
-      elements per thread, source loop not pipelined; prefill shape
+      elements per thread, source loop not pipelined, the first source tile loaded
+      before the prefix up to :data:`EARLY_TILE_MAX_TOKENS` tokens; prefill shape
       :data:`PREFILL_SOURCES_PER_TILE`, 32 per thread, :data:`PREFILL_LOOP_STAGES` deep
       (unpipelined where the buffers of ``element_size``-byte sources would take more
       than :data:`LOOP_SMEM_BYTES`); never more sources per tile than there are sources
@@ -417,8 +447,9 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
 
     ``num_blocks`` is a runtime argument of both kernels: it only picks among these
     shapes. ``kind`` ("split"/"row"), ``chunk``, ``sources_per_tile`` and ``num_warps``
-    override (tests, the benchmark sweep); ``sources_per_tile > 0`` implies the row kernel;
-    a ``loop_stages`` given is taken as is.
+    override (tests, the benchmark sweep); ``sources_per_tile > 0`` implies the row kernel,
+    ``chunk > 0`` (without it) the split kernel; a ``loop_stages`` or ``early_tile`` given
+    is taken as is.
     """
     if kind not in ("auto", "split", "row"):
         raise ValueError(f"kind must be 'auto', 'split' or 'row', got {kind!r}")
@@ -430,7 +461,7 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
                  and torch.version.hip is None
                  and num_blocks + 1 <= SPLIT_MAX_SOURCES
                  and T * cdiv(H, chunk or SPLIT_CHUNK) <= SPLIT_MAX_PROGRAMS)
-        kind = "split" if split else "row"
+        kind = "split" if split or (chunk > 0 and sources_per_tile <= 0) else "row"
     if kind == "split":
         if num_blocks + 1 > SPLIT_MAX_SOURCES:
             raise ValueError(f"the split kernel holds at most {SPLIT_MAX_SOURCES} sources, "
@@ -461,8 +492,10 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
         loop_stages = PREFILL_LOOP_STAGES if prefill else 1
         if (loop_stages - 1) * sources_per_tile * block_h * element_size > LOOP_SMEM_BYTES:
             loop_stages = 1  # its buffers would not fit in shared memory
+    if early_tile is None:
+        early_tile = not prefill and T <= EARLY_TILE_MAX_TOKENS
     return LaunchShape("row", num_warps, block_h, sources_per_tile=sources_per_tile,
-                       loop_stages=loop_stages)
+                       loop_stages=loop_stages, early_tile=bool(early_tile))
 
 
 def attn_res(
@@ -488,6 +521,7 @@ def attn_res(
     split_max_tokens: int | None = None,
     split_phases: bool = False,
     loop_stages: int = 0,
+    early_tile: bool | None = None,
 ) -> None:
     """Launch the AttnRes kernel on row views.
 
@@ -524,7 +558,8 @@ def attn_res(
     shape = pick_launch_shape(T, H, num_blocks, prefill_tokens=prefill_tokens,
                               sources_per_tile=sources_per_tile, num_warps=num_warps,
                               kind=kind, chunk=chunk, split_max_tokens=split_max_tokens,
-                              loop_stages=loop_stages, element_size=blocks.element_size())
+                              loop_stages=loop_stages, element_size=blocks.element_size(),
+                              early_tile=early_tile)
     has_delta = delta is not None
     has_norm = out_norm_w is not None
     common = (
@@ -542,7 +577,8 @@ def attn_res(
     if shape.kind == "row":
         _attn_res_kernel[(T,)](*common, H, float(eps), float(out_eps),
                                BLOCK_H=shape.block_h, SOURCES_PER_TILE=shape.sources_per_tile,
-                               LOOP_STAGES=shape.loop_stages, **flags)
+                               LOOP_STAGES=shape.loop_stages, EARLY_TILE=shape.early_tile,
+                               **flags)
         return
     n_chunks = cdiv(H, shape.chunk)
     if T > SPLIT_MAX_GRID_Y:

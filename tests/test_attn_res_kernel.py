@@ -34,7 +34,7 @@ from _tolerances import (assert_close_ulps, assert_matches_reference, dual_norm_
 from k3fusion import reference
 from k3fusion.kernels._launch import _kernels_are_interpreted
 from k3fusion.kernels.attn_res import (
-    DECODE_SOURCES_PER_TILE, PREFILL_SOURCES_PER_TILE,
+    DECODE_SOURCES_PER_TILE, EARLY_TILE_MAX_TOKENS, PREFILL_SOURCES_PER_TILE,
     PREFILL_TOKENS, PREFILL_LOOP_STAGES,
     SPLIT_CHUNK,
     SPLIT_MAX_SOURCES,
@@ -505,6 +505,24 @@ def test_softmax_is_sharp_and_flat() -> None:
                            bf16_casts_truncate=INTERPRETED, device=DEVICE, msg=f"{shape}")
 
 
+@pytest.mark.parametrize("sources_per_tile", [1, 2, 4])
+@pytest.mark.parametrize("num_blocks", [0, 1, 5, 8])
+def test_early_tile_changes_nothing_but_the_order_of_loads(sources_per_tile, num_blocks):
+    """``early_tile`` loads the first source tile before the prefix and folds it in a
+    peeled first step: the same arithmetic in the same order, so the same bits (output,
+    updated prefix, written block)."""
+    results = []
+    for early in (False, True):
+        x = make_inputs(_K3, 3)
+        out = torch.empty_like(x.prefix)
+        launch(x.prefix, x.blocks, num_blocks, x.norm_w, x.proj_w, 1e-6, out, delta=x.delta,
+               prefix_out=x.prefix, block_write_idx=8, out_norm_w=x.out_norm_w, kind="row",
+               sources_per_tile=sources_per_tile, early_tile=early)
+        results.append((out, x.prefix_parent, x.bank_parent))
+    for a, b in zip(*results):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
 def test_launcher_needs_prefix_out_with_delta() -> None:
     x = make_inputs(_K3, 0)
     with pytest.raises(ValueError, match="prefix_out"):
@@ -643,16 +661,27 @@ def test_the_rounded_prefix_is_the_last_source(dtype: torch.dtype) -> None:
 
 def test_pick_launch_shape() -> None:
     H = 7168
-    # The split kernel up to SPLIT_MAX_TOKENS, with the chunk and warps the H200 sweep
-    # found fastest (docs/benchmarks.md); chunk no wider than the row.
-    split = pick_launch_shape(1, H, 8)
+    # By default the row kernel at every T (measured on the H200: its decode shape with
+    # the early first tile at least matched the split kernel at T <= 8; docs/benchmarks.md).
+    assert SPLIT_MAX_TOKENS == 0
+    one = pick_launch_shape(1, H, 8)
+    assert (one.kind, one.sources_per_tile, one.early_tile) == ("row", 4, True)
+    assert pick_launch_shape(EARLY_TILE_MAX_TOKENS, H, 8).early_tile
+    assert not pick_launch_shape(EARLY_TILE_MAX_TOKENS + 1, H, 8).early_tile
+    assert not pick_launch_shape(4096, H, 8).early_tile  # the prefill shape: never
+    assert not pick_launch_shape(1, H, 8, early_tile=False).early_tile
+    assert pick_launch_shape(4096, H, 8, early_tile=True).early_tile  # forced: as asked
+    # The split kernel where asked for (kind or split_max_tokens), with the chunk and warps
+    # the H200 sweep found fastest; chunk no wider than the row.
+    split = pick_launch_shape(1, H, 8, split_max_tokens=8)
     assert (split.kind, split.chunk, split.num_warps) == ("split", SPLIT_CHUNK, SPLIT_NUM_WARPS)
-    assert pick_launch_shape(SPLIT_MAX_TOKENS, H, 8).kind == "split"
-    assert pick_launch_shape(3, 100, 5).chunk == min(SPLIT_CHUNK, 128)
-    assert pick_launch_shape(3, 5, 5).chunk == 8
+    assert pick_launch_shape(8, H, 8, split_max_tokens=8).kind == "split"
+    assert pick_launch_shape(9, H, 8, split_max_tokens=8).kind == "row"
+    assert pick_launch_shape(3, 100, 5, kind="split").chunk == min(SPLIT_CHUNK, 128)
+    assert pick_launch_shape(3, 5, 5, kind="split").chunk == 8
     # More sources than the split kernel holds: the row kernel.
-    assert pick_launch_shape(1, H, SPLIT_MAX_SOURCES - 1).kind == "split"
-    assert pick_launch_shape(1, H, SPLIT_MAX_SOURCES).kind == "row"
+    assert pick_launch_shape(1, H, SPLIT_MAX_SOURCES - 1, split_max_tokens=8).kind == "split"
+    assert pick_launch_shape(1, H, SPLIT_MAX_SOURCES, split_max_tokens=8).kind == "row"
     with pytest.raises(ValueError, match="at most"):
         pick_launch_shape(1, H, SPLIT_MAX_SOURCES, kind="split")
     # Past SPLIT_MAX_TOKENS the row kernel: its prefill shape, or below PREFILL_TOKENS

@@ -21,9 +21,11 @@ must move once: read 8 blocks, the prefix and delta, write the prefix, the block
 output (13 rows of ``T x H`` bf16) plus the three weight rows, at 4.3 TB/s.
 
 ``--sweep`` also times the kernel itself for every launch shape (row kernel: sources per
-tile 1, 2, 4 x warps 4, 8, 16 x source-loop stages 1, 3; split kernel: columns x warps)
+tile 1, 2, 4 x warps 4, 8, 16 x source-loop stages 1 (with and without the early first
+tile) or 3; split kernel: columns x warps)
 at each T, to set ``kernels.attn_res.pick_launch_shape`` (``PREFILL_TOKENS``, the
-sources per tile, the warp rule, ``PREFILL_LOOP_STAGES``, ``SPLIT_MAX_TOKENS``).
+sources per tile, the warp rule, ``PREFILL_LOOP_STAGES``, ``SPLIT_MAX_TOKENS``,
+``EARLY_TILE_MAX_TOKENS``).
 
 Writes ``attn_res.json``, ``attn_res.md`` and ``attn_res.png`` to ``--out``.
 """
@@ -53,9 +55,10 @@ EPS = 1e-6
 #: -- the table shows only what was measured.
 COMPILED_VARIANTS: dict[str, str] = {"inductor": "inductor", "k3fusion": "k3fusion"}
 
-#: Launch shapes of ``--sweep``: the row kernel's (sources per tile, warps, loop stages) and the split
-#: kernel's (columns per program, warps).
-SWEEP_ROW = [(spt, w, st) for spt in (1, 2, 4) for w in (4, 8, 16) for st in (1, 3)]
+#: Launch shapes of ``--sweep``: the row kernel's (sources per tile, warps, loop stages, early
+#: first tile) and the split kernel's (columns per program, warps).
+SWEEP_ROW = [(spt, w, st, early) for spt in (1, 2, 4) for w in (4, 8, 16)
+             for st, early in ((1, False), (1, True), (3, False))]
 SWEEP_SPLIT = [(chunk, w) for chunk in (256, 512, 1024, 2048) for w in (2, 4, 8)]
 
 
@@ -63,7 +66,8 @@ def shape_label(shape) -> str:
     """``row 4x16`` (sources per tile x warps) or ``split 1024x4`` (columns x warps)."""
     if shape.kind == "row":
         stages = f" st{shape.loop_stages}" if shape.loop_stages > 1 else ""
-        return f"row {shape.sources_per_tile}x{shape.num_warps}{stages}"
+        early = " early" if shape.early_tile else ""
+        return f"row {shape.sources_per_tile}x{shape.num_warps}{stages}{early}"
     return f"split {shape.chunk}x{shape.num_warps}"
 
 
@@ -166,8 +170,9 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
             row["k3fusion_matches"] = k3fusion.match_counts().get("attn_res", 0)
         if sweep:
             outs = [torch.empty_like(s[0]) for s in sets]
-            shapes = [("row", {"sources_per_tile": a, "num_warps": w, "loop_stages": st})
-                      for a, w, st in SWEEP_ROW]
+            shapes = [("row", {"sources_per_tile": a, "num_warps": w, "loop_stages": st,
+                               "early_tile": early})
+                      for a, w, st, early in SWEEP_ROW]
             shapes += [("split", {"kind": "split", "chunk": a, "num_warps": w})
                        for a, w in SWEEP_SPLIT]
             for kind, kw in shapes:
