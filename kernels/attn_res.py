@@ -56,8 +56,9 @@ separate launches per ``PHASE`` -- the same arithmetic, which a GPU test compare
 bit with the one-launch form.
 
 What the barrier costs: measured on the H200, each exchange (CTA barrier, release atomic,
-acquire poll, reading the partials back from L2) adds on the order of 1-2 us to a token,
-so the split kernel wins only while few tokens leave most SMs idle (docs/benchmarks.md).
+acquire poll, reading the partials back from L2) adds ~1.2 us to a token -- about what
+spreading a token's loads over 7 SMs saves, so the split kernel only ever tied the row
+kernel at T <= 8 and is opt-in since the row kernel's early first tile (docs/benchmarks.md).
 
 ``num_blocks == 0`` is a fast path in both: one source, softmax weight exactly 1,
 ``mixed = p``; no logit is computed (a row whose sum of squares overflows stays exact).
