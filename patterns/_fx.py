@@ -15,7 +15,7 @@ __all__ = [
     "NoMatch", "aten", "prims", "is_op", "strip_casts", "matmul_operands", "val", "dtype_of", "operands", "only_user",
     "is_graph_input", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
-    "row_padded",
+    "row_padded", "through_row_padding",
 ]
 
 # Reshapes (what a Linear's [B, S, K] -> [T, K] flattening lowers to).
@@ -77,6 +77,24 @@ def row_padded(node: object) -> Node | None:
         return None
     widths = list(node.args[1])
     return node.args[0] if len(widths) == 4 and widths[:3] == [0, 0, 0] else None
+
+
+def through_row_padding(node: object, chain: list[Node]) -> tuple[object, object]:
+    """``(mm, h)`` for Inductor's row padding of a GEMM, ``(node, None)`` for anything else:
+    ``slice(mm(constant_pad_nd(h, [0, 0, 0, p]), wt), 0, 0, -p)`` (``pad_mm``) computes
+    ``mm(h, wt)`` row for row. The slice and the pad go into ``chain``."""
+    if not is_op(node, aten.slice.Tensor):
+        return node, None
+    mm, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+    h = row_padded(mm.args[0]) if is_op(mm, aten.mm.default) else None
+    if h is None:
+        return node, None
+    # The slice keeps exactly h's rows, the first ones (the pad appended the others).
+    if not (dim in (0, -2) and start in (0, None) and step == 1 and end is not None
+            and val(node).shape[0] == val(h).shape[0]):
+        return node, None
+    chain += [node, mm.args[0]]
+    return mm, h
 
 
 def matmul_operands(node: object) -> tuple[Node, Node] | None:

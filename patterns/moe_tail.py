@@ -46,7 +46,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, erase_unused, external_users,
-                  fake_call, is_graph_input, is_op, plan_size_reads, row_padded, val)
+                  fake_call, is_graph_input, is_op, plan_size_reads, through_row_padding, val)
 from .rms_norm import RMSNormMatch, eps_op_args
 
 __all__ = ["FUSION_NAME", "MoETailSite", "match_moe_tail", "fuse_moe_tail"]
@@ -119,28 +119,10 @@ def _is_projection(node: object) -> bool:
     """A bare projection output: ``mm``, or ``addmm`` with a 1-D bias (a biased Linear).
     ``addmm(h, a, W.T)`` with a full-shape input is a residual add Inductor folded into
     the GEMM (``h + o_proj(a)``): the residual stream, not a projection."""
-    node, _ = _through_row_padding(_through_views(node, []), [])
+    node, _ = through_row_padding(_through_views(node, []), [])
     if is_op(node, aten.mm.default):
         return True
     return is_op(node, aten.addmm.default) and val(node.args[0]).dim() == 1
-
-
-def _through_row_padding(node: object, chain: list[Node]) -> tuple[object, object]:
-    """``(mm, h)`` for Inductor's row padding of a GEMM, ``(node, None)`` for anything else:
-    ``slice(mm(constant_pad_nd(h, [0, 0, 0, p]), wt), 0, 0, -p)`` (``pad_mm``) computes
-    ``mm(h, wt)`` row for row. The slice and the pad go into ``chain``."""
-    if not is_op(node, aten.slice.Tensor):
-        return node, None
-    mm, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
-    h = row_padded(mm.args[0]) if is_op(mm, aten.mm.default) else None
-    if h is None:
-        return node, None
-    # The slice keeps exactly h's rows, the first ones (the pad appended the others).
-    if not (dim in (0, -2) and start in (0, None) and step == 1 and end is not None
-            and val(node).shape[0] == val(h).shape[0]):
-        return node, None
-    chain += [node, mm.args[0]]
-    return mm, h
 
 
 def _depends_on(node: Node, target: Node) -> bool:
@@ -184,7 +166,7 @@ def match_moe_tail(anchor: Node, by_out: dict[Node, RMSNormMatch]) -> MoETailSit
             continue
         else:
             chain = [] if up_chain is None else list(up_chain)
-        mm, padded_h = (up, None) if up is anchor else _through_row_padding(
+        mm, padded_h = (up, None) if up is anchor else through_row_padding(
             _through_views(up, chain), chain)
         if mm is not anchor and not is_op(mm, aten.mm.default):
             continue

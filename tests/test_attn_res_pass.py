@@ -107,7 +107,8 @@ class Site(nn.Module):
     """
 
     VARIANTS = ("", "softmax_dim", "no_key_norm", "bias", "gemma", "leak_logits",
-                "leak_weights", "broadcast_delta", "stack_dim", "stack_moved", "double_upcast")
+                "leak_weights", "broadcast_delta", "stack_dim", "stack_moved", "double_upcast",
+                "row_padded")
 
     def __init__(self, form: Form, variant: str = "", seed: int = 0) -> None:
         super().__init__()
@@ -155,6 +156,15 @@ class Site(nn.Module):
         return src.float() if self.f.precision == "fp32" else src
 
     def logits(self, src: torch.Tensor) -> torch.Tensor:
+        if self.variant == "row_padded":
+            # The Linear(H, 1) as Inductor's pad_mm may rewrite it (by a timing): rows
+            # padded to a multiple of 8, the GEMM, the padded rows sliced off.
+            keys = self.keys(src)
+            flat = keys.reshape(-1, H)
+            pad = 8 - flat.shape[0] % 8
+            w = self.proj.weight.float() if self.f.precision == "fp32" else self.proj.weight
+            out = (F.pad(flat, (0, 0, 0, pad)) @ w.T)[:-pad].view(*keys.shape[:-1], 1)
+            return out.squeeze(-1).float()
         if self.f.precision == "fp32":
             bias = None if self.proj.bias is None else self.proj.bias.float()
             return F.linear(self.keys(src), self.proj.weight.float(), bias).squeeze(-1)
@@ -531,6 +541,21 @@ FUSED = [
 def test_site_fused(form):
     m = Site(form)
     check_fused_site(m, make_inputs(form))
+
+
+@pytest.mark.parametrize("form", [Form("list", 3, delta=True, out_norm=True),
+                                  Form("tensor", 2, max_blocks=3, write=2, precision="fp32")],
+                         ids=str)
+def test_site_fused_through_a_row_padded_projection(form):
+    """Inductor's pad_mm may pad the rows of the keys' Linear(H, 1) GEMM, depending on a
+    benchmark: the site still fuses, and the pad, GEMM and slice go with it."""
+    m = Site(form, "row_padded")
+    check_fused_site(m, make_inputs(form))
+    k3fusion.reset_match_counts()
+    be = run_site(m, make_inputs(form))[-1]
+    pad = aten.constant_pad_nd.default
+    assert count_op(be.graph_before, pad) == 1 and count_op(be.graph_before, aten.mm.default) == 1
+    assert count_op(be.graph_after, pad) == 0 and count_op(be.graph_after, aten.mm.default) == 0
 
 
 def test_broadcast_prefix_add_is_not_the_delta():
