@@ -100,12 +100,16 @@ def through_row_padding(node: object, chain: list[Node]) -> tuple[object, object
 def matmul_operands(node: object) -> tuple[Node, Node] | None:
     """``(a, b)`` when ``node`` computes ``a @ b`` (2-D), else None.
 
-    Besides ``mm``/``addmm``, Inductor's own decompositions of skinny products:
+    Besides ``mm``/``addmm``, Inductor's own rewrites of skinny products:
     ``(a.unsqueeze(2) * b.unsqueeze(0)).sum(1)`` on GPUs under coordinate-descent
-    tuning (max-autotune), and ``sum(a.squeeze(0) * b.squeeze(-1), 0, True).unsqueeze(0)``
-    for one row on CPU -- with the fp32 upcasts ``pw_cast_for_opmath`` adds around them.
+    tuning (max-autotune), ``sum(a.squeeze(0) * b.squeeze(-1), 0, True).unsqueeze(0)``
+    for one row on CPU -- with the fp32 upcasts ``pw_cast_for_opmath`` adds around them --
+    and ``pad_mm``'s row padding (:func:`through_row_padding`).
     """
     node = strip_casts(node)
+    mm, padded = through_row_padding(node, [])
+    if padded is not None:
+        return padded, mm.args[1]
     if is_op(node, aten.mm.default):
         return node.args[0], node.args[1]
     if is_op(node, aten.addmm.default):

@@ -41,7 +41,7 @@ from torch.fx import Graph, Node
 from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, dtype_of, erase_unused,
                   external_users, fake_call, hoist_before, is_graph_input, is_op,
                   matmul_operands, only_user, operands, plan_size_reads, prims, strip_casts,
-                  through_row_padding, val)
+                  val)
 from .rms_norm import (RMSNormMatch, eps_op_args, inverse_rms, parameter_weight, same_input,
                        upcast_input)
 
@@ -137,9 +137,6 @@ def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     if not (is_op(view, *RESHAPES) and val(view).shape[-1] == 1):
         raise NoMatch("projection output is not [..., S, 1]")
     product = matmul_operands(view.args[0])
-    if product is None:  # Inductor's row padding of the GEMM (pad_mm): the slice, mm and pad
-        mm, padded = through_row_padding(view.args[0], [])  # are collected by _between below
-        product = None if padded is None else (padded, mm.args[1])
     if product is None:
         raise NoMatch("projection is not a matrix multiply")
     # the fp32 upcasts around a decomposed one-row product belong to the site too
