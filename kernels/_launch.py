@@ -59,8 +59,9 @@ _retired: list[torch.Tensor] = []
 def counter_buffer(name: str, device: torch.device, size: int, dtype: torch.dtype) -> torch.Tensor:
     """Zeroed counters for a kernel whose programs synchronize through global atomics and
     that leaves every counter in a state any later launch accepts, zero included (its
-    contract with this cache): the fused tail's arrival counters go back to zero, the
-    AttnRes barrier counters stay at a multiple of their epoch.
+    contract with this cache): the fused tail's arrival counters go back to zero; the
+    AttnRes split kernel adds one epoch to each token's launch counter and rewrites every
+    word of its records, so a fresh zeroed buffer is as valid a start as any later state.
 
     Cached per (name, device, stream): launches on one stream are serialized, two streams
     never share counters. Grown only outside a CUDA-graph capture; replaced buffers stay

@@ -16,21 +16,21 @@ Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Per 
    ``k3fusion.reference.rms_norm`` (cast-then-weight rounds the normalized row to the
    prefix dtype before the weight multiply; ``OUT_WEIGHT_IN_FP32`` does not).
 
-Two kernels (the four feature switches are constexpr in both, so dead code compiles out);
-the row kernel runs by default at every T, the split kernel is opt-in:
+Two kernels (the four feature switches are constexpr in both, so dead code compiles out):
+the split kernel for a few tokens, the row kernel for more:
 
-* **split** (opt-in; T <= :data:`SPLIT_MAX_TOKENS`, 0 by default): ``cdiv(H, CHUNK)`` programs per
-  token, each holding its ``CHUNK`` columns of *every* source in registers at once (a
-  ``[S_PAD, CHUNK]`` tile), so a token's bytes are in flight on many SMs at the same time
-  instead of one source after the other on one SM. The logits need whole-row sums: each
-  program stores its partial ``sum(v*g)`` and ``sum(v*v)`` per source, the token's
-  programs meet at a barrier, and each sums the partials, forms the softmax weights and
-  mixes its own chunk. The output norm needs the sum of squares of the whole *rounded*
-  mix (the spec): a second partial-sum exchange. (Taking it from the Gram matrix of the
-  sources instead -- one exchange -- squares the unrounded mix, which differs from the
-  spec by the rounding's bias: ~1% under the interpreter's truncating casts.)
-* **row** (the default, every T): one program per token and an online (streaming) softmax
-  over sources, each source row read once: the prefix (already in registers) seeds the
+* **split** (T <= :data:`SPLIT_MAX_TOKENS`): ``cdiv(H, CHUNK)`` programs per token, each
+  holding its ``CHUNK`` columns of *every* source in registers at once (a ``[S_PAD,
+  CHUNK]`` tile), so a token's bytes are in flight on many SMs at the same time instead
+  of one source after the other on one SM. The logits need whole-row sums: each program
+  publishes its partial ``sum(v*g)`` and ``sum(v*v)`` per source, collects every
+  program's of its token, forms the softmax weights and mixes its own chunk. The output
+  norm needs the sum of squares of the whole *rounded* mix (the spec): a second exchange.
+  (Taking it from the Gram matrix of the sources instead -- one exchange -- squares the
+  unrounded mix, which differs from the spec by the rounding's bias: ~1% under the
+  interpreter's truncating casts.)
+* **row** (more tokens): one program per token and an online (streaming) softmax over
+  sources, each source row read once: the prefix (already in registers) seeds the
   running max ``m``, denominator ``den`` and mix ``acc[H]``; blocks are streamed
   ``SOURCES_PER_TILE`` rows at a time::
 
@@ -39,26 +39,35 @@ the row kernel runs by default at every T, the split kernel is opt-in:
 
   Many tokens fill the GPU, so no cross-program exchange is needed.
 
-The split kernel's barrier: programs of one token add to that token's int64 counter in
-``sync``; the adds of one exchange total exactly ``SYNC_EPOCH`` (chunk 0 adds
-``SYNC_EPOCH - (n - 1)``, the others 1), so the counter is a multiple of ``SYNC_EPOCH``
-between the exchanges of a launch, and each program waits for the next multiple. So a
-launch leaves every counter at a multiple of ``SYNC_EPOCH`` -- a valid start for the next
-launch, whatever it was before (zero, as a fresh buffer is, included); nothing is reset,
-which would cost every program one more atomic round trip at its end (a departure counter
-did: 6.6 -> 8.1 us at T = 1 on the H200). CUDA-graph replays in any order are fine for the
-same reason (``_launch.counter_buffer``). Requirements: all programs of a token must be resident together (a token's programs
-are adjacent in the grid and blocks are dispatched in order, so earlier tokens always
-finish; split launches are small anyway), and two launches must not use one counter
-concurrently (one buffer per device and stream). Under Triton's CPU interpreter programs
-run one after another, so a barrier would wait forever: there the split kernel runs as
-separate launches per ``PHASE`` -- the same arithmetic, which a GPU test compares bit for
-bit with the one-launch form.
+The split kernel's exchange carries its own validity, so it needs no fence and no
+barrier. Every partial sum travels as one 64-bit word ``epoch << 32 | fp32 bits``,
+published with a relaxed GPU-scope atomic exchange (morally strong and single-copy
+atomic: a reader sees the old word or the whole new one); readers poll each word with
+relaxed (``ld.volatile``) loads, every thread its own words, until it carries this
+launch's epoch, then use its low half directly -- no separate read of the partials, and
+nothing else is communicated, so no ordering is needed. The epoch: each token's words
+start with a launch counter to which the token's programs add ``SYNC_EPOCH`` in all
+(chunk 0 ``SYNC_EPOCH - (n - 1)``, the others 1), so every program of one launch reads
+an old value in ``[k * SYNC_EPOCH, (k + 1) * SYNC_EPOCH)`` and takes ``k + 1`` (mod
+2**32). Why a poll never accepts a stale word: the launcher keeps one buffer per record
+layout (chunks x source rows; counters and records together, so both are always
+replaced together), and every launch writes *every* word of its tokens' records (zeros
+where a sum is not needed) -- so before this launch's store a word holds exactly the
+previous launch's epoch, or 0 in a fresh buffer, never this one's. Nothing is reset, so
+CUDA-graph replays in any order are fine (``_launch.counter_buffer``). Requirements: all
+programs of a token must be resident together (a token's programs are adjacent in the
+grid and blocks are dispatched in order, so earlier tokens always finish; split launches
+are small anyway), and two launches must not use one buffer concurrently (one per device
+and stream). Under Triton's CPU interpreter programs run one after another, so a poll
+would wait forever: there the split kernel runs as separate launches per ``PHASE`` (a
+fresh buffer, no epochs) -- the same arithmetic, which a GPU test compares bit for bit
+with the one-launch form.
 
-What the barrier costs: measured on the H200, each exchange (CTA barrier, release atomic,
-acquire poll, reading the partials back from L2) adds ~1.2 us to a token -- about what
-spreading a token's loads over 7 SMs saves, so the split kernel only ever tied the row
-kernel at T <= 8 and is opt-in since the row kernel's early first tile (docs/benchmarks.md).
+What the exchange costs, measured on the H200 (docs/benchmarks.md): the earlier form --
+per-thread GPU fence, CTA barrier, an acq_rel arrival atomic, an acquire poll of a
+counter, then reading the partials back -- took ~1.2 us per exchange and only ever tied
+the row kernel; with epoch-tagged words the split kernel takes 6.0-6.3 us at T = 1
+against the row kernel's 6.8-6.9, and wins up to 12 tokens.
 
 ``num_blocks == 0`` is a fast path in both: one source, softmax weight exactly 1,
 ``mixed = p``; no logit is computed (a row whose sum of squares overflows stays exact).
@@ -81,7 +90,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fences import fence_gpu
 from ._launch import cdiv, check_launchable, counter_buffer, interpreter_enabled
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
@@ -111,26 +119,27 @@ LOOP_SMEM_BYTES = 160 * 1024
 #: docs/benchmarks.md): 7.09 -> 6.81 us at T = 1, 8.96 -> 8.17 at 16, 9.00 -> 8.23 at 32,
 #: 9.87 -> 9.37 at 64, 10.7 -> 10.6 at 96, but 11.4 -> 11.7 at 128.
 EARLY_TILE_MAX_TOKENS = 64
-#: Up to this many tokens the split kernel runs: none by default (it is opt-in, ``kind=
-#: "split"`` or ``split_max_tokens``). Measured on the H200 (same runs): the row kernel
-#: with its early tile took 6.81 / 6.96 us at T = 1 against the split kernel's 7.00 /
-#: 7.67, 6.88 against 7.57 at 4, and 7.00 / 7.26 against 6.67 / 7.79 at 8 -- no T where
-#: the split kernel's two barrier exchanges (~1.2 us each) reliably paid for themselves.
-SPLIT_MAX_TOKENS = 0
+#: Up to this many tokens the split kernel runs (``split_max_tokens`` overrides; 0: never).
+#: Measured on the H200 (bf16, H = 7168, 9 sources, two runs of medians of 5;
+#: docs/benchmarks.md): 6.04-6.26 us at T = 1 against the row kernel's 6.77-6.88,
+#: 6.48-6.60 against 6.82-6.97 at 2, 6.53-6.73 against 6.83-6.99 at 4, 6.68-6.79 against
+#: 7.05-7.30 at 8, 6.97-7.11 against 7.29-7.42 at 12; the row kernel ahead from 16
+#: (7.74-7.85 against 7.96-8.08).
+SPLIT_MAX_TOKENS = 12
 #: Columns per program of the split kernel (7 programs per 7168-wide token) ...
 SPLIT_CHUNK = 1024
-#: ... and warps: 1024 x 4 was the fastest or within 0.1 us of it at T = 1 and 8 in the
-#: final barrier's sweep (7.03 / 6.64 us; 512 x 4: 7.61 / 6.69; H200, docs/benchmarks.md).
+#: ... and warps: 1024 x 4 was the fastest at every T but 2 in the same runs (512 x 4:
+#: 7.02-7.22 us at T = 1, 6.11-6.16 or 7.12-7.23 at 2; 2048 x 8: 7.05-7.16 at 1).
 SPLIT_NUM_WARPS = 4
 #: Most programs one split launch may have (forced launches included): a token's programs
-#: must be resident together while they wait at the barrier; in-order dispatch keeps that
+#: must be resident together while they poll for each other's words; in-order dispatch keeps that
 #: true for any grid, this bound keeps it far from the limits of the counter buffer.
 SPLIT_MAX_PROGRAMS = 1 << 20
 #: Tokens are the split kernel's second grid dim, which CUDA caps at 65535.
 SPLIT_MAX_GRID_Y = 65535
 #: Most sources (blocks + prefix) the split kernel holds in registers at once.
 SPLIT_MAX_SOURCES = 32
-#: What the programs of one token add to its barrier counter per exchange (> programs per token).
+#: What the programs of one token add to its launch counter per launch (> programs per token).
 SYNC_EPOCH = tl.constexpr(1 << 16)
 
 
@@ -270,28 +279,59 @@ def _attn_res_kernel(
 
 
 @triton.jit
-def _token_barrier(counter_ptr, chunk, N_CHUNKS: tl.constexpr, EPOCH: tl.constexpr):
-    """Wait until every program of this token has arrived (see the module docstring).
+def _launch_epoch(counter_ptr, chunk, N_CHUNKS: tl.constexpr):
+    """This launch's epoch for one token (mod 2**32). The token's programs add
+    ``SYNC_EPOCH`` in all to its counter (chunk 0 ``SYNC_EPOCH - (N_CHUNKS - 1)``, the
+    others 1), so each reads an old value in ``[k * SYNC_EPOCH, (k + 1) * SYNC_EPOCH)``
+    and all take ``k + 1``. Relaxed: it orders nothing, and its round trip overlaps the
+    source loads issued after it."""
+    add = 1 + (chunk == 0).to(tl.int64) * (SYNC_EPOCH - N_CHUNKS)
+    old = tl.atomic_add(counter_ptr, add, sem="relaxed", scope="gpu")
+    return (old // SYNC_EPOCH + 1).to(tl.int32)  # the low 32 bits
 
-    Every thread fences its own partial-sum stores at GPU scope, a CTA barrier, then one
-    thread's acq_rel atomic arrives; one thread polls with acquire loads, and a CTA
-    barrier hands that on. Measured: without the per-thread fence (a CTA barrier and a
-    release atomic alone) programs read stale partial sums at T = 128 and 1000 on the
-    H200 -- the GPU test comparing one launch with the phased launches catches it."""
-    fence_gpu()
-    tl.debug_barrier()
-    add = 1 + (chunk == 0).to(tl.int64) * (EPOCH - N_CHUNKS)
-    old = tl.atomic_add(counter_ptr, add, sem="acq_rel", scope="gpu")
-    target = (old // EPOCH + 1) * EPOCH
-    seen = old + add
-    while seen < target:
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-    # 0 -- the counter stays far below 2**62 (2**45 launches per token slot) -- but not
-    # provably so: the caller adds it to the addresses of the partial sums it reads next,
-    # so no compiler pass can hoist those loads above the wait (on the H200, stale
-    # partials were read at 2 warps per program before this dependency existed).
-    return (seen >> 62).to(tl.int32)
+
+@triton.jit
+def _publish(ptrs, values, epoch, PHASE: tl.constexpr):
+    """Store fp32 partial sums, each as one 64-bit word ``epoch << 32 | bits``. In one
+    launch (PHASE 0) a relaxed GPU-scope exchange: a morally strong, single-copy-atomic
+    64-bit access (a reader sees the old word or the whole new one), issued once per
+    element (Triton masks the lanes that hold replicas), its old value unused."""
+    words = (epoch.to(tl.int64) << 32) | (values.to(tl.int32, bitcast=True).to(tl.int64)
+                                           & 0xFFFFFFFF)
+    if PHASE == 0:
+        tl.atomic_xchg(ptrs, words, sem="relaxed", scope="gpu")
+    else:
+        tl.store(ptrs, words)
+
+
+@triton.jit
+def _collect(ptrs, need, epoch, PHASE: tl.constexpr):
+    """The fp32 partial sums at ``ptrs`` (0 where not ``need``). In one launch (PHASE 0)
+    each thread polls its own words (relaxed loads, ``ld.volatile`` in PTX) until they
+    carry ``epoch``: no fence, and no CTA-wide reduction or barrier per poll. Separate
+    launches (the interpreter) just read them."""
+    if PHASE == 0:
+        lo = tl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            .reg .b32 hi;
+            .reg .b64 w;
+            mov.u32 $0, 0;
+            setp.eq.s32 p, $3, 0;
+            @p bra DONE;
+            WAIT:
+            ld.volatile.global.b64 w, [$1];
+            mov.b64 {$0, hi}, w;
+            setp.ne.s32 p, hi, $2;
+            @p bra WAIT;
+            DONE:
+            }""",
+            "=r,l,r,r", [ptrs.to(tl.int64), tl.zeros_like(need.to(tl.int32)) + epoch,
+                         need.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        lo = (tl.load(ptrs, mask=need, other=0) & 0xFFFFFFFF).to(tl.int32)
+    return tl.where(need, lo.to(tl.float32, bitcast=True), 0.0)
 
 
 @triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
@@ -304,7 +344,7 @@ def _attn_res_split_kernel(
     block_write_idx,
     norm_w_ptr, proj_w_ptr, out_norm_w_ptr,
     out_ptr, out_stride,
-    partials_ptr, sync_ptr,
+    words_ptr,
     H, eps, out_eps,
     CHUNK: tl.constexpr,
     N_CHUNKS: tl.constexpr,
@@ -317,25 +357,26 @@ def _attn_res_split_kernel(
     PHASE: tl.constexpr,
 ):
     """``grid = (N_CHUNKS, T)``: program ``(c, t)`` owns columns ``[c*CHUNK, (c+1)*CHUNK)``
-    of token ``t``. ``PHASE`` 0 runs all of it with the barriers; the interpreter runs
-    1 (up to the source sums), 2 (up to the mix's sum of squares, or the output when
-    there is no norm) and 3 (the normed output) as separate launches."""
+    of token ``t``. ``PHASE`` 0 runs all of it, exchanging through epoch-tagged words;
+    the interpreter runs 1 (up to the source sums), 2 (up to the mix's sum of squares, or
+    the output when there is no norm) and 3 (the normed output) as separate launches."""
     chunk = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     cmask = cols < H
     dtype = prefix_ptr.dtype.element_ty
     srcs = tl.arange(0, S_PAD)
-    # Partial sums, one record per (token, chunk): sum(v*g) and sum(v*v) per source, then
-    # the chunk's sum of squares of the rounded mix.
+    # A token's words: its launch counter, then one record per chunk -- sum(v*g) and
+    # sum(v*v) per source, then the chunk's sum of squares of the rounded mix.
     REC: tl.constexpr = 2 * S_PAD + 1
-    token_recs = partials_ptr + tok * N_CHUNKS_PAD * REC
-    rec_ptr = token_recs + chunk * REC
-    # Every chunk's record of this token ([N_CHUNKS_PAD]); .cg loads: from L2, where the
-    # other programs stored them, never a stale L1 line.
+    token_words = words_ptr + tok * (1 + N_CHUNKS_PAD * REC)
+    recs = token_words + 1
+    rec = recs + chunk * REC
     ks = tl.arange(0, N_CHUNKS_PAD)
     kmask = ks < N_CHUNKS
-    counter = sync_ptr + tok
+    epoch = tl.full([], 0, tl.int32)  # separate launches: no epochs
+    if PHASE == 0:
+        epoch = _launch_epoch(token_words, chunk, N_CHUNKS)
 
     if PHASE >= 2:
         # An earlier launch updated the prefix (prefix_out holds the rounded row).
@@ -346,66 +387,66 @@ def _attn_res_split_kernel(
     else:
         p = _update_prefix(prefix_ptr + tok * prefix_stride, delta_ptr + tok * delta_stride,
                            prefix_out_ptr + tok * prefix_out_stride, cols, cmask, HAS_DELTA)
-        blocks_row = blocks_ptr + tok * blocks_token_stride
         if WRITE_BLOCK:
-            tl.store(blocks_row + block_write_idx.to(tl.int64) * blocks_block_stride + cols, p,
-                     mask=cmask)
+            tl.store(blocks_ptr + tok * blocks_token_stride
+                     + block_write_idx.to(tl.int64) * blocks_block_stride + cols, p, mask=cmask)
 
-    if num_blocks == 0 and not HAS_OUT_NORM:
-        # One source and no norm: nothing needs the other chunks.
-        if PHASE == 0 or PHASE == 2:
-            tl.store(out_ptr + tok * out_stride + cols, p.to(out_ptr.dtype.element_ty),
-                     mask=cmask)
+    # Every launch writes every word of its tokens' records, needed or not (zeros): so
+    # before a launch's store a word holds the previous launch's epoch -- this one's
+    # minus one -- and a poll can never accept a stale word (the launcher keeps one
+    # buffer per record layout, counters included).
+    zeros = tl.zeros([S_PAD], dtype=tl.float32)
+    if num_blocks == 0:
+        # One source: softmax weight exactly 1, no logit (an overflowing row stays exact).
+        mixed = p
+        if PHASE <= 1:
+            _publish(rec + srcs, zeros, epoch, PHASE)
+            _publish(rec + S_PAD + srcs, zeros, epoch, PHASE)
     else:
-        if num_blocks == 0:
-            # One source: softmax weight exactly 1, no logit (an overflowing row stays exact).
-            mixed = p
-        else:
-            # Every source's chunk at once: blocks in rows [0, num_blocks), the prefix in
-            # row num_blocks, zeros below (they add nothing to any sum).
-            smask = srcs < num_blocks
-            x = tl.load(blocks_ptr + tok * blocks_token_stride
-                        + srcs.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
-                        mask=smask[:, None] & cmask[None, :], other=0.0)
-            x = tl.where((srcs == num_blocks)[:, None], p[None, :], x).to(tl.float32)
-            if PHASE <= 1:
-                g = (tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-                     * tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
-                tl.store(rec_ptr + srcs, tl.sum(x * g[None, :], axis=1))
-                tl.store(rec_ptr + S_PAD + srcs, tl.sum(x * x, axis=1))
-            after = 0
-            if PHASE == 0:
-                after = _token_barrier(counter, chunk, N_CHUNKS, SYNC_EPOCH)
-            if PHASE != 1:
-                recs = token_recs + after + ks[:, None] * REC + srcs[None, :]
-                dots = tl.sum(tl.load(recs, mask=kmask[:, None], other=0.0,
-                                      cache_modifier=".cg"), axis=0)
-                sumsq = tl.sum(tl.load(recs + S_PAD, mask=kmask[:, None], other=0.0,
-                                       cache_modifier=".cg"), axis=0)
-                logit = tl.rsqrt(sumsq / H + eps) * dots
-                logit = tl.where(srcs <= num_blocks, logit, float("-inf"))
-                e = tl.exp(logit - tl.max(logit, axis=0))
-                w = e / tl.sum(e, axis=0)
-                mixed = tl.sum(w[:, None] * x, axis=0).to(dtype)
+        # Every source's chunk at once: blocks in rows [0, num_blocks), the prefix in
+        # row num_blocks, zeros below (they add nothing to any sum).
+        smask = srcs < num_blocks
+        x = tl.load(blocks_ptr + tok * blocks_token_stride
+                    + srcs.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
+                    mask=smask[:, None] & cmask[None, :], other=0.0)
+        x = tl.where((srcs == num_blocks)[:, None], p[None, :], x).to(tl.float32)
+        if PHASE <= 1:
+            g = (tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+                 * tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
+            _publish(rec + srcs, tl.sum(x * g[None, :], axis=1), epoch, PHASE)
+            _publish(rec + S_PAD + srcs, tl.sum(x * x, axis=1), epoch, PHASE)
         if PHASE != 1:
-            if HAS_OUT_NORM:
-                # The norm reads the mix rounded to the model dtype (the spec): its sum of
-                # squares needs every chunk, hence a second exchange.
-                if PHASE != 3:
-                    y = mixed.to(tl.float32)
-                    tl.store(rec_ptr + 2 * S_PAD, tl.sum(y * y, axis=0))
-                after2 = 0
-                if PHASE == 0:
-                    after2 = _token_barrier(counter, chunk, N_CHUNKS, SYNC_EPOCH)
-                if PHASE != 2:
-                    sq = tl.sum(tl.load(token_recs + after2 + ks * REC + 2 * S_PAD, mask=kmask,
-                                        other=0.0, cache_modifier=".cg"), axis=0)
-                    _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
-                                  out_norm_w_ptr + cols, tl.rsqrt(sq / H + out_eps),
-                                  HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
-            else:
+            need = kmask[:, None] & (srcs <= num_blocks)[None, :]
+            ptrs = recs + ks[:, None] * REC + srcs[None, :]
+            # Summed over chunks in chunk order: the same bits whoever arrived first.
+            dots = tl.sum(_collect(ptrs, need, epoch, PHASE), axis=0)
+            sumsq = tl.sum(_collect(ptrs + S_PAD, need, epoch, PHASE), axis=0)
+            logit = tl.rsqrt(sumsq / H + eps) * dots
+            logit = tl.where(srcs <= num_blocks, logit, float("-inf"))
+            e = tl.exp(logit - tl.max(logit, axis=0))
+            w = e / tl.sum(e, axis=0)
+            mixed = tl.sum(w[:, None] * x, axis=0).to(dtype)
+    if PHASE != 1:
+        # The chunk's one word of the second exchange (a vector of the same word: the
+        # store helpers take tensors).
+        sq_ptr = rec + 2 * S_PAD + ks * 0
+        if HAS_OUT_NORM:
+            # The norm reads the mix rounded to the model dtype (the spec): its sum of
+            # squares needs every chunk, hence a second exchange.
+            if PHASE != 3:
+                y = mixed.to(tl.float32)
+                _publish(sq_ptr, tl.zeros([N_CHUNKS_PAD], tl.float32) + tl.sum(y * y, axis=0),
+                         epoch, PHASE)
+            if PHASE != 2:
+                sq = tl.sum(_collect(recs + ks * REC + 2 * S_PAD, kmask, epoch, PHASE), axis=0)
                 _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
-                              out_norm_w_ptr + cols, 0.0, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
+                              out_norm_w_ptr + cols, tl.rsqrt(sq / H + out_eps),
+                              HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
+        else:
+            if PHASE == 0:
+                _publish(sq_ptr, tl.zeros([N_CHUNKS_PAD], tl.float32), epoch, PHASE)
+            _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
+                          out_norm_w_ptr + cols, 0.0, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
 
 
 # ---------------------------------------------------------------------- launch
@@ -457,7 +498,7 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
     block_h = triton.next_power_of_2(max(H, 1))
     if kind == "auto":
         most = SPLIT_MAX_TOKENS if split_max_tokens is None else split_max_tokens
-        # The barrier is PTX (fences, acquire/release atomics): NVIDIA GPUs only.
+        # The exchange is PTX (inline-asm polls): NVIDIA GPUs only.
         split = (sources_per_tile <= 0 and T <= min(most, SPLIT_MAX_GRID_Y)
                  and torch.version.hip is None
                  and num_blocks + 1 <= SPLIT_MAX_SOURCES
@@ -592,17 +633,21 @@ def attn_res(
     # Bucketed so the block counts of a model (0..8 for Kimi-K3) share a few variants,
     # all compiled in the first step; num_blocks itself stays a runtime argument.
     s_pad = max(2, triton.next_power_of_2(num_blocks + 1))
-    partials = torch.empty((T, n_chunks_pad, 2 * s_pad + 1), dtype=torch.float32,
-                           device=prefix.device)
+    token_words = 1 + n_chunks_pad * (2 * s_pad + 1)
     interpreted = prefix.device.type == "cpu" and interpreter_enabled()
-    # Per token: its barrier counter (left at a multiple of SYNC_EPOCH by every launch).
-    sync = partials if interpreted else counter_buffer("attn_res", prefix.device, T,
-                                                       torch.int64)
     split = dict(CHUNK=shape.chunk, N_CHUNKS=n_chunks, N_CHUNKS_PAD=n_chunks_pad, S_PAD=s_pad,
                  **flags)
-    args = (*common, partials, sync, H, float(eps), float(out_eps))
     if interpreted or split_phases:
+        # Separate launches need no epochs: a fresh buffer of their own.
+        words = torch.zeros(T * token_words, dtype=torch.int64, device=prefix.device)
+        args = (*common, words, H, float(eps), float(out_eps))
         for phase in (1, 2, 3) if has_norm else (1, 2):
             _attn_res_split_kernel[(n_chunks, T)](*args, PHASE=phase, **split)
-    else:
-        _attn_res_split_kernel[(n_chunks, T)](*args, PHASE=0, **split)
+        return
+    # One buffer per record layout (chunks x sources), counters and records together, so
+    # both are always replaced together (module docstring: why a poll never accepts a
+    # stale word).
+    words = counter_buffer(f"attn_res/{n_chunks}x{s_pad}", prefix.device, T * token_words,
+                           torch.int64)
+    _attn_res_split_kernel[(n_chunks, T)](*common, words, H, float(eps), float(out_eps),
+                                          PHASE=0, **split)

@@ -661,10 +661,18 @@ def test_the_rounded_prefix_is_the_last_source(dtype: torch.dtype) -> None:
 
 def test_pick_launch_shape() -> None:
     H = 7168
-    # By default the row kernel at every T (measured on the H200: its decode shape with
-    # the early first tile at least matched the split kernel at T <= 8; docs/benchmarks.md).
-    assert SPLIT_MAX_TOKENS == 0
-    one = pick_launch_shape(1, H, 8)
+    # The split kernel up to 12 tokens, then the row kernel (measured on the H200: the
+    # split kernel with its epoch-tagged exchange ahead up to 12; docs/benchmarks.md).
+    assert SPLIT_MAX_TOKENS == 12
+    for T in (1, SPLIT_MAX_TOKENS):
+        s = pick_launch_shape(T, H, 8)
+        assert (s.kind, s.chunk, s.num_warps) == ("split", SPLIT_CHUNK, SPLIT_NUM_WARPS) \
+            == ("split", 1024, 4)
+    after = pick_launch_shape(SPLIT_MAX_TOKENS + 1, H, 8)
+    assert (after.kind, after.sources_per_tile, after.early_tile) == ("row", 4, True)
+    # split_max_tokens=0: never the split kernel; the row kernel's decode shape, the first
+    # source tile loaded early.
+    one = pick_launch_shape(1, H, 8, split_max_tokens=0)
     assert (one.kind, one.sources_per_tile, one.early_tile) == ("row", 4, True)
     assert pick_launch_shape(EARLY_TILE_MAX_TOKENS, H, 8).early_tile
     assert not pick_launch_shape(EARLY_TILE_MAX_TOKENS + 1, H, 8).early_tile
@@ -741,7 +749,7 @@ from k3fusion.kernels.attn_res import _attn_res_split_kernel as k
 names = [p.name for p in k.params]
 const = dict(CHUNK=512, N_CHUNKS=14, N_CHUNKS_PAD=16, S_PAD=16, HAS_DELTA=True,
              WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False, PHASE=0)
-ptrs = dict(partials_ptr="*fp32", sync_ptr="*i64")
+ptrs = dict(words_ptr="*i64")
 sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
        else "fp32" if n.endswith("eps") else "i32" for n in names}
 src = ASTSource(fn=k, signature=sig,
@@ -751,25 +759,23 @@ print(ptx)
 """
 
 
-def test_split_kernel_barrier_compiles_for_hopper() -> None:
-    """The one-launch split kernel (its barriers never run in the interpreter) compiles
-    for sm_90 on any machine, and its PTX holds both barriers: a GPU-scope fence in every
-    thread (without it the H200 read stale partial sums), an acq_rel arrival atomic and
-    an acquire poll of the counter, each after a CTA barrier."""
+def test_split_kernel_exchange_compiles_for_hopper() -> None:
+    """The one-launch split kernel (its exchanges never run in the interpreter) compiles
+    for sm_90 on any machine, and its PTX holds the fence-free exchange: one relaxed
+    arrival add for the launch epoch, the tagged partial sums published by relaxed 64-bit
+    GPU-scope exchanges, polls with volatile (relaxed) 64-bit loads; no fence, no
+    acquire/release atomic."""
     ptx = run_compile_script(_PTX_CHECK, "the split kernel")
     lines = [line.strip() for line in ptx.splitlines()]
-    fences = [x for x in lines if x.startswith("fence.acq_rel.gpu")]
-    # two arrivals (acq_rel adds); no reset (a launch leaves the counters at a multiple
-    # of the epoch, a valid start for the next one)
-    adds = [x for x in lines if "atom.global" in x and ".acq_rel" in x and ".gpu" in x
-            and ".add" in x]
-    resets = [x for x in lines if "atom.global" in x and ".exch" in x]
-    polls = [x for x in lines if ("ld.global" in x or "atom.global" in x) and ".acquire" in x]
-    assert len(fences) == 2, fences
-    assert len(adds) == 2, adds
-    assert not resets, resets
-    assert len(polls) == 2, polls
-    assert any(x.startswith("bar.sync") for x in lines)
+    assert not [x for x in lines if x.startswith("fence.")]
+    adds = [x for x in lines if "atom" in x and ".add" in x]
+    assert len(adds) == 1 and ".relaxed" in adds[0] and ".gpu" in adds[0], adds
+    assert not [x for x in lines if "atom" in x and (".acq" in x or ".release" in x)]
+    stores = [x for x in lines if "atom.global.gpu.relaxed.exch.b64" in x]
+    polls = [x for x in lines if x.startswith("ld.volatile.global.b64")]
+    # the sources' dot and square sums, then the mix's sum of squares
+    assert len(stores) >= 3, stores
+    assert len(polls) >= 3, polls
 
 
 # --------------------------------------------------------------- the tolerance helpers
@@ -894,9 +900,9 @@ class TestAttnResCuda:
             run_and_check(c, seed=nb, bf16_casts_truncate=False, device="cuda")
 
     def test_split_kernel_in_a_cuda_graph(self) -> None:
-        """Captured once, replayed several times: the barrier counters (the stream's
-        cached buffer, left at a multiple of the epoch by every launch, never reset) and
-        the partial sums stay right."""
+        """Captured once, replayed several times: the launch counters and the epoch-tagged
+        partial sums (the stream's cached buffer for this record layout; each launch adds
+        exactly one epoch to a token's counter and never resets it) stay right."""
         from k3fusion.kernels import _launch
         from k3fusion.kernels.attn_res import SYNC_EPOCH
 
@@ -915,7 +921,8 @@ class TestAttnResCuda:
         with torch.cuda.stream(stream):
             step()  # eager first, on the capture stream: its counter buffer is cached now
             torch.cuda.synchronize()
-            key = ("attn_res", "cuda", x.prefix.device.index, stream.cuda_stream)
+            # 512-column chunks of 7168: 14 programs (16 record slots), 9 sources (16 rows)
+            key = ("attn_res/14x16", "cuda", x.prefix.device.index, stream.cuda_stream)
             counters = _launch._counter_buffers[key]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
@@ -931,8 +938,10 @@ class TestAttnResCuda:
             assert torch.equal(bits(out), bits(expected_out))
         # The graph used the cached counters (no per-capture buffer), which kept growing.
         assert _launch._counter_buffers[key] is counters
-        used = counters[:c.T]
-        assert bool((used > 0).all()) and bool((used % SYNC_EPOCH.value == 0).all()), used
+        # Each token's counter (word 0 of its 1 + 16 * (2 * 16 + 1) words): 3 eager launches
+        # and 3 per replay, one epoch each.
+        used = counters[:c.T * 529:529]
+        assert used.tolist() == [SYNC_EPOCH.value * (3 + 3 * 3)] * c.T, used
 
     def test_int64_offsets(self) -> None:
         """A bank whose last slot starts past 2**31 elements (4 GiB of bf16): int32
