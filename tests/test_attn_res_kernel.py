@@ -943,6 +943,47 @@ class TestAttnResCuda:
         used = counters[:c.T * 529:529]
         assert used.tolist() == [SYNC_EPOCH.value * (3 + 3 * 3)] * c.T, used
 
+    def test_split_exchange_never_accepts_a_stale_word(self) -> None:
+        """Every record word poisoned with NaN bits tagged with the previous launch's epoch
+        -- what a stale word holds at worst (module docstring) -- before a launch: the
+        programs must wait for this launch's words, so the output equals the phased
+        launches'. A poll that did not check the epoch, or a kernel that did not wait,
+        would read the NaNs."""
+        from k3fusion.kernels import _launch
+        from k3fusion.kernels.attn_res import SYNC_EPOCH
+
+        T, H, nb = 3, 7168, 8
+        g = torch.Generator(device="cuda").manual_seed(3)
+
+        def rand(*shape):
+            return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+
+        prefix, blocks = rand(T, H), rand(T, nb + 1, H)
+        norm_w, proj_w, out_w = 1 + rand(H) / 10, rand(H) / H**0.5, 1 + rand(H) / 10
+
+        def run(**kw):
+            out = torch.empty_like(prefix)
+            launch(prefix, blocks, nb, norm_w, proj_w, 1e-6, out, out_norm_w=out_w,
+                   kind="split", **kw)
+            return out
+
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            want = run(split_phases=True)
+            assert torch.equal(run(), want)  # caches this stream's buffer
+            # 1024-column chunks of 7168: 7 programs (8 record slots); 9 sources (16 rows)
+            key = ("attn_res/7x16", "cuda", prefix.device.index, stream.cuda_stream)
+            per_token = 1 + 8 * (2 * 16 + 1)
+            words = _launch._counter_buffers[key][:T * per_token].view(T, per_token)
+            for _ in range(3):
+                last_epoch = words[:, :1] // SYNC_EPOCH.value
+                words[:, 1:] = (last_epoch << 32) | 0x7FC00000  # a quiet NaN's bits
+                out = run()
+                torch.cuda.synchronize()
+                assert torch.equal(out, want)
+                used = words[:, 1:1 + 7 * (2 * 16 + 1)]  # the 7 chunks' records
+                assert not bool((used >> 32 == last_epoch).any())  # every word rewritten
+
     def test_int64_offsets(self) -> None:
         """A bank whose last slot starts past 2**31 elements (4 GiB of bf16): int32
         offsets would wrap around."""
