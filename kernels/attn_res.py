@@ -132,8 +132,8 @@ SPLIT_CHUNK = 1024
 #: 7.02-7.22 us at T = 1, 6.11-6.16 or 7.12-7.23 at 2; 2048 x 8: 7.05-7.16 at 1).
 SPLIT_NUM_WARPS = 4
 #: Most programs one split launch may have (forced launches included): a token's programs
-#: must be resident together while they poll for each other's words; in-order dispatch keeps that
-#: true for any grid, this bound keeps it far from the limits of the counter buffer.
+#: must be resident together while they poll for each other's words; in-order dispatch
+#: keeps that true for any grid, this bound keeps it far from the counter buffer's limits.
 SPLIT_MAX_PROGRAMS = 1 << 20
 #: Tokens are the split kernel's second grid dim, which CUDA caps at 65535.
 SPLIT_MAX_GRID_Y = 65535
