@@ -427,16 +427,13 @@ def _attn_res_split_kernel(
             w = e / tl.sum(e, axis=0)
             mixed = tl.sum(w[:, None] * x, axis=0).to(dtype)
     if PHASE != 1:
-        # The chunk's one word of the second exchange (a vector of the same word: the
-        # store helpers take tensors).
-        sq_ptr = rec + 2 * S_PAD + ks * 0
+        sq_ptr = rec + 2 * S_PAD  # the chunk's one word of the second exchange
         if HAS_OUT_NORM:
             # The norm reads the mix rounded to the model dtype (the spec): its sum of
             # squares needs every chunk, hence a second exchange.
             if PHASE != 3:
                 y = mixed.to(tl.float32)
-                _publish(sq_ptr, tl.zeros([N_CHUNKS_PAD], tl.float32) + tl.sum(y * y, axis=0),
-                         epoch, PHASE)
+                _publish(sq_ptr, tl.sum(y * y, axis=0), epoch, PHASE)
             if PHASE != 2:
                 sq = tl.sum(_collect(recs + ks * REC + 2 * S_PAD, kmask, epoch, PHASE), axis=0)
                 _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
@@ -444,7 +441,7 @@ def _attn_res_split_kernel(
                               HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
         else:
             if PHASE == 0:
-                _publish(sq_ptr, tl.zeros([N_CHUNKS_PAD], tl.float32), epoch, PHASE)
+                _publish(sq_ptr, tl.full([], 0.0, tl.float32), epoch, PHASE)
             _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
                           out_norm_w_ptr + cols, 0.0, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
 
