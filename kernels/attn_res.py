@@ -180,11 +180,25 @@ def _store_output(out_ptr, mixed, cmask, out_norm_w_ptr, inv_rms,
 
 
 @triton.jit
+def _add_pairs(a_dot, a_sq, b_dot, b_sq):
+    return a_dot + b_dot, a_sq + b_sq
+
+
+@triton.jit
+def _dots_and_squares(x, g, axis: tl.constexpr):
+    """``sum(x * g)`` and ``sum(x * x)`` along ``axis`` in one reduction: one pass
+    through shared memory and one barrier instead of two (same tree as ``tl.sum``, same
+    bits; H200: 207.5 -> 204.6 us at T = 4096, 11.52 -> 11.04 at 128)."""
+    return tl.reduce((x * g, x * x), axis, _add_pairs)
+
+
+@triton.jit
 def _online_step(m, den, acc, x, s, num_blocks, g, H, eps):
     """Fold a tile of source rows ``x`` (fp32; rows ``s``, those >= num_blocks masked)
     into the running max ``m``, denominator ``den`` and mix ``acc``."""
     smask = s < num_blocks
-    logit = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps) * tl.sum(x * g[None, :], axis=1)
+    dots, squares = _dots_and_squares(x, g[None, :], 1)
+    logit = tl.rsqrt(squares / H + eps) * dots
     logit = tl.where(smask, logit, float("-inf"))
     m_new = tl.maximum(m, tl.max(logit, axis=0))
     scale = tl.exp(m - m_new)
@@ -243,7 +257,8 @@ def _attn_res_kernel(
              * tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
         # The prefix (in registers already) seeds the running state: m = its logit,
         # den = exp(0) = 1, acc = v. No -inf start, so no exp(-inf - -inf).
-        m = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps) * tl.sum(v * g, axis=0)
+        dots, squares = _dots_and_squares(v, g, 0)
+        m = tl.rsqrt(squares / H + eps) * dots
         den = tl.full([], 1.0, tl.float32)
         acc = v
         first = 0
@@ -260,6 +275,10 @@ def _attn_res_kernel(
                 blocks_row + s.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
                 mask=(s < num_blocks)[:, None] & cmask[None, :],
                 other=0.0,
+                # Read once per call: let these lines go first, ahead of the rows this
+                # call writes (H200, with the one-reduction step: 11.04 -> 10.62 us at
+                # T = 128, the same elsewhere).
+                eviction_policy="evict_first",
             ).to(tl.float32)
             m, den, acc = _online_step(m, den, acc, x, s, num_blocks, g, H, eps)
         mixed = acc / den
@@ -413,14 +432,15 @@ def _attn_res_split_kernel(
         if PHASE <= 1:
             g = (tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
                  * tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
-            _publish(rec + srcs, tl.sum(x * g[None, :], axis=1), epoch, PHASE)
-            _publish(rec + S_PAD + srcs, tl.sum(x * x, axis=1), epoch, PHASE)
+            dots, squares = _dots_and_squares(x, g[None, :], 1)
+            _publish(rec + srcs, dots, epoch, PHASE)
+            _publish(rec + S_PAD + srcs, squares, epoch, PHASE)
         if PHASE != 1:
             need = kmask[:, None] & (srcs <= num_blocks)[None, :]
             ptrs = recs + ks[:, None] * REC + srcs[None, :]
             # Summed over chunks in chunk order: the same bits whoever arrived first.
-            dots = tl.sum(_collect(ptrs, need, epoch, PHASE), axis=0)
-            sumsq = tl.sum(_collect(ptrs + S_PAD, need, epoch, PHASE), axis=0)
+            dots, sumsq = tl.reduce((_collect(ptrs, need, epoch, PHASE),
+                                     _collect(ptrs + S_PAD, need, epoch, PHASE)), 0, _add_pairs)
             logit = tl.rsqrt(sumsq / H + eps) * dots
             logit = tl.where(srcs <= num_blocks, logit, float("-inf"))
             e = tl.exp(logit - tl.max(logit, axis=0))
