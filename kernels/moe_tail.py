@@ -49,6 +49,17 @@ travel with its partial tile, so split-K can fill every SM (H = 7168: 112 column
 ``round(x * r) * w`` (cast-then-weight) or ``x * r * w`` -- a 16-bit rounding of each GEMM
 input element apart; the tests bound exactly that. The default keeps the spec's roundings.
 
+**GEMV** (constexpr ``GEMV``, launch option ``gemv``; the default for one token, 16-bit
+weights): the product as fp32 FMAs on the CUDA cores instead of a tensor-core dot. A dot
+needs at least 16 token rows and its token operand staged in shared memory every step;
+here T is padded to a power of two only (1 stays 1), each step adds
+``up_w_tile[:, None, :] * h[None, :, :]`` into a ``[BLOCK_N, BLOCK_M, BLOCK_K]``
+accumulator (reduced once, after the loop), and the weight tiles stream through a
+software-pipelined plain loop. Same GEMM inputs (``h`` rounded as the spec says), exact
+products, fp32 sums in another order. Measured on the H200 at T = 1: 15.4 us against the
+dot's 17.5 (docs/benchmarks.md); from a few tokens on the FMAs cost more than the dot
+(26.7 against 18.0 us at T = 4).
+
 Triton's CPU interpreter (``TRITON_INTERPRET=1``; tests) computes a 16-bit ``tl.dot``
 wrongly, so constexpr ``DOT_IN_FP32`` makes the dot an fp32 one of the already-rounded
 16-bit operands (exact products, fp32 sums: the same math as the tensor-core dot up to
@@ -57,7 +68,7 @@ summation order). fp32 inputs always take that path with ``input_precision="ieee
 (programs run one after another; inline PTX does not exist).
 
 Launch options (:class:`LaunchConfig`: ``block_n``, ``block_k``, ``norm_block_k``,
-``num_warps``, ``num_stages``, ``split_k``, ``scale_after``, ``swap_ab``) default to
+``num_warps``, ``num_stages``, ``split_k``, ``scale_after``, ``swap_ab``, ``gemv``) default to
 :func:`pick_launch_config` (``swap_ab`` also to whether its stages fit); the
 benchmark (``python -m k3fusion.bench.moe_tail --sweep``) times the alternatives.
 """
@@ -78,7 +89,7 @@ from ._launch import (_kernels_are_interpreted, cdiv, counter_buffer,
 __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_fused",
            "check_fused_tail_args"]
 
-#: Largest token count the kernel takes (``BLOCK_M`` = T padded to a power of two >= 16).
+#: Largest token count the kernel takes (``BLOCK_M``: T padded to a power of two, >= 16 for a dot).
 #: Tier selection stops earlier: at the implementation's measured limit (16,
 #: ``k3fusion.moe_tail.TRITON_SELECT_MAX_TOKENS``) and ``FusionConfig.fused_tail_max_tokens``.
 MAX_TOKENS = 64
@@ -125,6 +136,8 @@ def _moe_tail_kernel(
     SPLIT_K: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
     SWAP_AB: tl.constexpr,      # accumulate out.T = up_w_tile @ h.T (weights as the M side)
+    GEMV: tl.constexpr,         # per-token FMAs on CUDA cores instead of a tensor-core dot
+    NUM_STAGES: tl.constexpr,   # the main loop's software-pipelining depth
     WEIGHT_IN_FP32: tl.constexpr,
     NORM_DTYPE: tl.constexpr,   # cast-then-weight: the normalized row's dtype
     DOT_IN_FP32: tl.constexpr,
@@ -159,12 +172,22 @@ def _moe_tail_kernel(
     up_rows = up_ptr + cols.to(tl.int64)[:, None] * up_stride
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, L)
+    if GEMV:
+        # Summed over K once, after the loop: no reduction per step. One token: a 2-D
+        # accumulator the token row broadcasts into; 3-D for more (the expand_dims of the
+        # weight tile costs a layout conversion per step there -- 1.0 us at T = 1).
+        if BLOCK_M == 1:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq_k = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # SCALE_AFTER only
-    for k0 in range(k_start, k_end, BLOCK_K):
+    # Pipelined explicitly: Triton pipelines a loop with a dot by itself (at the launch's
+    # num_stages, the same depth), but not the GEMV form's dot-free loop.
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < L
         x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -187,7 +210,13 @@ def _moe_tail_kernel(
         # The GEMM input the reference hands cuBLAS: h in up_w's dtype.
         a = h.to(up_ptr.dtype.element_ty)
         b = tl.load(up_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        if SWAP_AB:
+        if GEMV:
+            # Products of 16-bit values are exact in fp32, as in the tensor-core dot.
+            if BLOCK_M == 1:
+                acc2 += b.to(tl.float32) * a.to(tl.float32)  # [1, BLOCK_K] broadcast
+            else:
+                acc3 += b.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :]
+        elif SWAP_AB:
             # Weight rows as the dot's M side (>= 64: Hopper's wgmma reads them straight
             # from shared memory), the few token rows as its N side.
             if DOT_IN_FP32:
@@ -200,7 +229,12 @@ def _moe_tail_kernel(
                          input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b), acc)  # 16-bit operands, fp32 accumulation
-    if SWAP_AB:
+    if GEMV:
+        if BLOCK_M == 1:
+            acc = tl.trans(tl.sum(acc2, axis=1)[:, None])
+        else:
+            acc = tl.trans(tl.sum(acc3, axis=2))
+    elif SWAP_AB:
         acc = tl.trans(acc)
 
     out_mask = row_mask[:, None] & col_mask[None, :]
@@ -259,6 +293,8 @@ class LaunchConfig:
     scale_after: bool = False
     #: Compute ``out.T = up_w_tile @ h.T``: the weight tile is the dot's M side.
     swap_ab: bool = False
+    #: Per-token FMAs on CUDA cores instead of a tensor-core dot (``swap_ab`` then moot).
+    gemv: bool = False
 
 
 _num_sms_cache: dict[int, int] = {}
@@ -276,14 +312,30 @@ def _num_sms(device: torch.device) -> int:
     return _num_sms_cache[index]
 
 
-def _block_m(tokens: int) -> int:
-    """Rows of a program's tiles: T padded to a power of two >= 16 (``tl.dot``'s minimum)."""
-    return max(16, triton.next_power_of_2(tokens))
+def _block_m(tokens: int, gemv: bool = False) -> int:
+    """Rows of a program's tiles: T padded to a power of two, >= 16 (``tl.dot``'s minimum)
+    unless the GEMV form runs (no dot)."""
+    return max(1 if gemv else 16, triton.next_power_of_2(max(tokens, 1)))
+
+
+#: Up to this many tokens the automatic choice takes the GEMV form (16-bit weights).
+#: Measured on the H200 (bf16, L = 3584, H = 7168; docs/benchmarks.md): 15.4 us at T = 1
+#: against the tensor-core dot's 17.5; slower from T = 2 on.
+GEMV_MAX_TOKENS = 1
+#: The GEMV form's accumulator elements per program (``BLOCK_N * BLOCK_M * BLOCK_K``): 64
+#: fp32 registers per thread at 4 warps.
+_GEMV_ACC_ELEMENTS = 8192
 
 
 def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype,
-                       num_sms: int = _DEFAULT_SMS) -> LaunchConfig:
-    """The default launch shape for a ``[tokens, latent] -> [tokens, hidden]`` tail.
+                       num_sms: int = _DEFAULT_SMS, gemv: bool | None = None) -> LaunchConfig:
+    """The default launch shape for a ``[tokens, latent] -> [tokens, hidden]`` tail
+    (``gemv``: None for the measured choice of form, True/False for that form's shape).
+
+    GEMV form (T <= :data:`GEMV_MAX_TOKENS`, 16-bit weights): 32-column tiles, ``block_k``
+    256 at T = 1 (halved per doubling of T: the accumulator stays at 8K elements), 4
+    warps, 3 stages -- the fastest of eleven shapes at T = 1 on the H200 (15.40 us; 16-column
+    tiles 15.52, 64 x 128 at 8 warps 16.13).
 
     Measured (H200, bf16, L = 3584, H = 7168; ``--sweep``, docs/benchmarks.md): 64-column
     tiles (112 programs) without split-K, ``block_k`` 256, 4 warps, 4 stages were fastest
@@ -296,10 +348,17 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     runs on FMA units, not tensor cores), 3 stages.
     """
     two_byte = dtype in (torch.bfloat16, torch.float16)
+    if gemv is None:
+        gemv = two_byte and tokens <= GEMV_MAX_TOKENS
+    block_m = _block_m(tokens, gemv)
     l_pow2 = max(16, triton.next_power_of_2(latent))
-    block_k = min(256 if two_byte else 64, l_pow2)
-    norm_block_k = min(max(16, 8192 // _block_m(tokens)), l_pow2)  # 64 fp32 per thread
-    block_n = 64
+    norm_block_k = min(max(16, 8192 // block_m), l_pow2)  # 64 fp32 per thread
+    if gemv:
+        block_n = 32
+        block_k = min(max(16, _GEMV_ACC_ELEMENTS // (block_n * block_m)), l_pow2)
+    else:
+        block_n = 64
+        block_k = min(256 if two_byte else 64, l_pow2)
     tiles = cdiv(hidden, block_n)
     split_k = 1
     if tiles < 64:
@@ -307,10 +366,13 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     # swap_ab: the weight tile as the dot's M side -- 17.90 / 18.51 us against 18.37 /
     # 18.88 at T = 1 / 16 (H200, same shape otherwise; docs/benchmarks.md). Measured at
     # BLOCK_M = 16 only (T <= 16), and only for tiles whose pipeline fits (_resolve_config).
+    if gemv:
+        return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3,
+                            split_k=split_k, norm_block_k=norm_block_k, gemv=True)
     return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4,
                         num_stages=4 if two_byte else 3, split_k=split_k,
                         norm_block_k=norm_block_k,
-                        swap_ab=two_byte and _block_m(tokens) == 16)
+                        swap_ab=two_byte and block_m == 16)
 
 
 #: Most bytes of weight-tile pipeline stages for which the automatic choice swaps the dot's
@@ -333,14 +395,19 @@ def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
 
 def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
                     num_stages=0, split_k=0, norm_block_k=0, scale_after=None,
-                    swap_ab=None) -> LaunchConfig:
+                    swap_ab=None, gemv=None) -> LaunchConfig:
     _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
     _check_option("block_k", block_k, power_of_two=True, low=16, high=1024)
     _check_option("norm_block_k", norm_block_k, power_of_two=True, low=16, high=8192)
     _check_option("num_warps", num_warps, power_of_two=True, low=1, high=16)
     _check_option("num_stages", num_stages, low=1, high=8)
     _check_option("split_k", split_k, low=1, high=64)
-    auto = pick_launch_config(tokens, hidden, latent, dtype, _num_sms(device))
+    if swap_ab and gemv:
+        raise ValueError("swap_ab=True orders a tensor-core dot's operands; gemv=True has no "
+                         "dot: ask for one or the other")
+    if swap_ab and gemv is None:
+        gemv = False  # an operand order asked for: the dot form
+    auto = pick_launch_config(tokens, hidden, latent, dtype, _num_sms(device), gemv)
     block_k = block_k or auto.block_k
     # No empty splits: split_k as the number of K ranges of ceil(L / split_k) columns.
     k_blocks = cdiv(latent, block_k)
@@ -348,7 +415,9 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     split = cdiv(k_blocks, cdiv(k_blocks, split))
     block_n = block_n or auto.block_n
     num_stages = num_stages or auto.num_stages
-    if swap_ab is None:
+    if auto.gemv:
+        swap_ab = False  # no dot to swap
+    elif swap_ab is None:
         # The swapped dot keeps every pipeline stage of the weight tile in shared memory
         # (wgmma reads its M side from there): where that would not fit, do not swap.
         swap_ab = (auto.swap_ab
@@ -358,7 +427,7 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
                         num_stages=num_stages, split_k=split,
                         norm_block_k=norm_block_k or auto.norm_block_k,
                         scale_after=auto.scale_after if scale_after is None else scale_after,
-                        swap_ab=swap_ab)
+                        swap_ab=swap_ab, gemv=auto.gemv)
 
 
 # ---------------------------------------------------------------------- arguments
@@ -460,16 +529,17 @@ def latent_moe_tail_fused(
     norm_block_k: int = 0,
     scale_after: bool | None = None,
     swap_ab: bool | None = None,
+    gemv: bool | None = None,
     norm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
     launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype.
 
     Inputs as :func:`check_fused_tail_args` says (validated before launch; never
-    modified). Launch options of 0 (``scale_after``: None) take
+    modified). Launch options of 0 (``scale_after``, ``swap_ab``, ``gemv``: None) take
     :func:`pick_launch_config`'s choice.
     """
-    for name, flag in (("scale_after", scale_after), ("swap_ab", swap_ab)):
+    for name, flag in (("scale_after", scale_after), ("swap_ab", swap_ab), ("gemv", gemv)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
     check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32, norm_dtype)
@@ -481,11 +551,12 @@ def latent_moe_tail_fused(
     hidden = up_w.shape[0]
     cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
                           block_k, num_warps, num_stages, split_k, norm_block_k, scale_after,
-                          swap_ab)
+                          swap_ab, gemv)
     out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
         return out
     interpreted = routed_latent.device.type == "cpu"
+    block_m = _block_m(tokens, cfg.gemv)
     tiles = cdiv(hidden, cfg.block_n)
     k_per_split = cdiv(cdiv(latent, cfg.block_k), cfg.split_k) * cfg.block_k
     if cfg.split_k > 1:
@@ -494,7 +565,7 @@ def latent_moe_tail_fused(
         lock = counter_buffer("moe_tail", up_w.device, tiles, torch.int32)
         sq_ws = ws
         if cfg.scale_after:
-            sq_ws = torch.empty((tiles, cfg.split_k, _block_m(tokens)), dtype=torch.float32,
+            sq_ws = torch.empty((tiles, cfg.split_k, block_m), dtype=torch.float32,
                                 device=up_w.device)
     else:
         ws = lock = sq_ws = out  # never read
@@ -509,13 +580,15 @@ def latent_moe_tail_fused(
         float(eps),
         k_per_split,
         tokens * hidden,
-        BLOCK_M=_block_m(tokens),
+        BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         NORM_BLOCK_K=cfg.norm_block_k,
         SPLIT_K=cfg.split_k,
         SCALE_AFTER=cfg.scale_after,
         SWAP_AB=cfg.swap_ab,
+        GEMV=cfg.gemv,
+        NUM_STAGES=cfg.num_stages,
         WEIGHT_IN_FP32=bool(weight_in_fp32),
         NORM_DTYPE=_TL_DTYPES[routed_latent.dtype if norm_dtype is None else norm_dtype],
         DOT_IN_FP32=interpreted or up_w.dtype == torch.float32,

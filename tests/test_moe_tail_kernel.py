@@ -188,6 +188,7 @@ LAUNCH = st.fixed_dictionaries({
     "norm_block_k": st.sampled_from([0, 16, 64]),
     "scale_after": st.sampled_from([None, False, True]),
     "swap_ab": st.sampled_from([None, False, True]),
+    "gemv": st.sampled_from([None, False, True]),
 })
 
 
@@ -211,6 +212,10 @@ def run_and_check(c: Case, seed: int, launch_opts: dict | None = None, device: s
     x, s, w, up = make_inputs(c, seed, device)
     if (launch_opts or {}).get("scale_after") and up.dtype == torch.float16:
         with pytest.raises(ValueError, match="scale_after"):
+            launch(x, s, w, c.eps, up, weight_in_fp32=c.weight_in_fp32, **launch_opts)
+        return None
+    if (launch_opts or {}).get("swap_ab") and (launch_opts or {}).get("gemv"):
+        with pytest.raises(ValueError, match="swap_ab=True.*gemv=True"):
             launch(x, s, w, c.eps, up, weight_in_fp32=c.weight_in_fp32, **launch_opts)
         return None
     saved = [t.clone() for t in (x, s, w, up)]
@@ -239,6 +244,12 @@ def run_and_check(c: Case, seed: int, launch_opts: dict | None = None, device: s
          opts={"split_k": 7, "block_n": 32, "block_k": 16, "scale_after": True}, seed=3)
 @example(c=Case(5, 100, 40, torch.bfloat16, True, False, 1e-5, -6, 0, 0, 0, True),
          opts={"scale_after": True}, seed=4)
+@example(c=Case(1, 3584 // 28, 96, torch.bfloat16, False, False, 1e-6, 0, 8, 8, 3, False),
+         opts={}, seed=5)  # one bf16 token: the GEMV form by default
+@example(c=Case(7, 129, 17, torch.bfloat16, False, True, 1e-5, 6, 1, 1, 3, True),
+         opts={"gemv": True, "split_k": 3, "block_k": 16}, seed=6)  # GEMV, split-K, T = 7
+@example(c=Case(3, 100, 40, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False),
+         opts={"gemv": True, "scale_after": True}, seed=7)  # GEMV + scale_after
 def test_kernel_matches_reference(c, opts, seed):
     run_and_check(c, seed, opts)
 
@@ -323,6 +334,28 @@ def test_launch_config_heuristic():
     assert r.split_k == 4 and (r.block_n, r.block_k, r.norm_block_k) == (16, 32, 128)
     assert kernel_mod.pick_launch_config(16, 7168, 3584, torch.bfloat16).norm_block_k == 512
     assert kernel_mod.pick_launch_config(64, 7168, 3584, torch.bfloat16).norm_block_k == 128
+
+
+def test_launch_config_takes_the_gemv_form_for_one_16_bit_token():
+    pick = kernel_mod.pick_launch_config
+    one = pick(1, 7168, 3584, torch.bfloat16, 132)
+    assert one.gemv and not one.swap_ab  # H200: 15.4 us against the dot's 17.5
+    assert (one.block_n, one.block_k, one.num_warps, one.num_stages) == (32, 256, 4, 3)
+    assert pick(1, 7168, 3584, torch.float16, 132).gemv
+    assert not pick(1, 7168, 3584, torch.float32, 132).gemv  # not measured: the dot form
+    assert not pick(2, 7168, 3584, torch.bfloat16, 132).gemv  # the dot wins from T = 2
+    # Forced at more tokens: the accumulator stays at 8K elements, T padded to 4, not 16.
+    four = pick(3, 7168, 3584, torch.bfloat16, 132, gemv=True)
+    assert four.gemv and (four.block_n, four.block_k, four.norm_block_k) == (32, 64, 2048)
+    assert kernel_mod._block_m(3, True) == 4 and kernel_mod._block_m(3) == 16
+    assert kernel_mod._block_m(0, True) == 1
+    cpu = torch.device("cpu")
+    # forced off at T = 1: the swapped dot, as before; so is asking for a dot operand order
+    assert kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, gemv=False).swap_ab
+    forced = kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, swap_ab=True)
+    assert forced.swap_ab and not forced.gemv
+    with pytest.raises(ValueError, match="swap_ab=True.*gemv=True"):
+        kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, swap_ab=True, gemv=True)
 
 
 # ============================================================================ bad arguments
@@ -655,11 +688,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3fusion.kernels.moe_tail import _moe_tail_kernel as k
 names = [p.name for p in k.params]
-for split, after, swap in ((1, True, False), (7, True, False), (1, False, False),
-                          (4, False, False), (1, False, True), (2, True, True)):
-    const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, NORM_BLOCK_K=512, SPLIT_K=split,
-                 SCALE_AFTER=after, SWAP_AB=swap, WEIGHT_IN_FP32=False, DOT_IN_FP32=False, GPU_FENCE=True,
-                 NORM_DTYPE=triton.language.bfloat16)
+for split, after, swap, gemv in ((1, True, False, 0), (7, True, False, 0), (1, False, False, 0),
+                                (4, False, False, 0), (1, False, True, 0), (2, True, True, 0),
+                                (1, False, False, 1), (3, True, False, 1)):
+    const = dict(BLOCK_M=1 if gemv else 16, BLOCK_N=32 if gemv else 64, BLOCK_K=256,
+                 NORM_BLOCK_K=512, SPLIT_K=split, SCALE_AFTER=after, SWAP_AB=swap,
+                 GEMV=bool(gemv), NUM_STAGES=3 if gemv else 4, WEIGHT_IN_FP32=False,
+                 DOT_IN_FP32=False, GPU_FENCE=True, NORM_DTYPE=triton.language.bfloat16)
     ptrs = {"ws_ptr": "*fp32", "sq_ws_ptr": "*fp32", "lock_ptr": "*i32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n == "eps" else "i32" for n in names}
@@ -667,19 +702,22 @@ for split, after, swap in ((1, True, False), (7, True, False), (1, False, False)
                     constexprs={(names.index(n),): v for n, v in const.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-    print(split, after, swap, "mma" in ptx, ("atom.global" in ptx) == (split > 1))
+    print(split, after, swap, gemv, "mma" in ptx, ("atom.global" in ptx) == (split > 1))
 """
 
 
 def test_gpu_variants_compile_for_hopper():
     """The GPU-only code (the tensor-core dot in both operand orders, the split-K fences
-    and counters, the scale-after epilogues) compiles for sm_90 on any machine: the
-    interpreter never builds it."""
+    and counters, the scale-after epilogues, the GEMV form) compiles for sm_90 on any
+    machine: the interpreter never builds it. The GEMV form has no tensor-core
+    instruction."""
     out = run_compile_script(_PTX_CHECK, "the fused tail kernel")
     lines = out.split("\n")
-    assert [x for x in lines if x] == ["1 True False True True", "7 True False True True",
-                                       "1 False False True True", "4 False False True True",
-                                       "1 False True True True", "2 True True True True"], out
+    assert [x for x in lines if x] == [
+        "1 True False 0 True True", "7 True False 0 True True",
+        "1 False False 0 True True", "4 False False 0 True True",
+        "1 False True 0 True True", "2 True True 0 True True",
+        "1 False False 1 False True", "3 True False 1 False True"], out
 
 
 @pytest.mark.parametrize("scale_after", [False, True])

@@ -29,8 +29,10 @@ Every variant is checked against ``k3fusion.reference.latent_moe_tail`` before t
 
 ``--sweep`` also times the kernel at every launch config of a grid (``block_n`` x
 ``split_k`` x ``num_warps`` x ``num_stages`` at the default ``block_k`` and
-``norm_block_k``, then each of those two varied for the three fastest) at each T <= 64, to choose
-``kernels.moe_tail.pick_launch_config``; ``--sweep-only`` runs just that (no compiles).
+``norm_block_k``, then each of those two varied for the three fastest) at each T <= 64, and
+up to 4 tokens a grid of the GEMV form (``block_n`` x ``num_warps`` x ``num_stages``,
+``block_k`` from its accumulator budget), to choose ``kernels.moe_tail.pick_launch_config``;
+``--sweep-only`` runs just that (no compiles).
 
 **(b) column-parallel vs replicated up-projection GEMM** (the large-T tiers' GEMM cost on
 one GPU): for T in ``--tp-tokens`` and tp in ``--tps``, one rank's
@@ -52,6 +54,11 @@ from .common import base_parser, compile_uncached, environment, hf_rms_norm, wri
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
 TOKENS = (1, 4, 8, 16, 32, 64)
+#: The GEMV form's sweep: up to this many tokens, over these shapes.
+SWEEP_GEMV_MAX_TOKENS = 4
+SWEEP_GEMV_BLOCK_N = (16, 32, 64)
+SWEEP_GEMV_WARPS = (4, 8)
+SWEEP_GEMV_STAGES = (2, 3, 4)
 TP_TOKENS = (512, 4096, 16384)
 TPS = (2, 4, 8)
 LATENT, HIDDEN, SHARED_INTER = 3584, 7168, 2048
@@ -116,7 +123,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 def config_label(cfg) -> str:
     return (f"n{cfg.block_n}_k{cfg.block_k}_p{cfg.norm_block_k}_s{cfg.split_k}"
             f"_w{cfg.num_warps}_st{cfg.num_stages}" + ("_after" if cfg.scale_after else "")
-            + ("_swap" if cfg.swap_ab else ""))
+            + ("_swap" if cfg.swap_ab else "") + ("_gemv" if cfg.gemv else ""))
 
 
 def _sweep(t: int, sets) -> dict:
@@ -125,14 +132,16 @@ def _sweep(t: int, sets) -> dict:
                                            pick_launch_config)
     from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
 
-    default = pick_launch_config(t, HIDDEN, LATENT, DTYPE, _num_sms(torch.device(DEVICE)))
+    sms = _num_sms(torch.device(DEVICE))
+    default = pick_launch_config(t, HIDDEN, LATENT, DTYPE, sms)
+    dot_default = pick_launch_config(t, HIDDEN, LATENT, DTYPE, sms, gemv=False)
     ref = tail(*sets[0])
 
     def time(cfg: LaunchConfig) -> float:
         opts = dict(block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                     norm_block_k=cfg.norm_block_k, scale_after=cfg.scale_after,
-                    swap_ab=cfg.swap_ab)
+                    swap_ab=cfg.swap_ab, gemv=cfg.gemv)
         fn = lambda r, s, w, u: launch(r, s, w, EPS, u, **opts)  # noqa: E731
         try:
             _check(fn(*sets[0]), ref, f"kernel {config_label(cfg)}")
@@ -150,7 +159,7 @@ def _sweep(t: int, sets) -> dict:
             swap_ab = _resolve_config(t, HIDDEN, LATENT, DTYPE, torch.device(DEVICE),
                                       cfg.block_n, cfg.block_k, cfg.num_warps,
                                       cfg.num_stages, cfg.split_k, cfg.norm_block_k,
-                                      cfg.scale_after).swap_ab
+                                      cfg.scale_after, gemv=cfg.gemv).swap_ab
         cfg = replace(cfg, swap_ab=swap_ab)
         label = config_label(cfg)
         if label not in times:
@@ -159,19 +168,27 @@ def _sweep(t: int, sets) -> dict:
 
     for bn, sk, nw, ns in itertools.product(SWEEP_BLOCK_N, SWEEP_SPLIT_K, SWEEP_WARPS,
                                             SWEEP_STAGES):
-        add(replace(default, block_n=bn, split_k=sk, num_warps=nw, num_stages=ns))
+        add(replace(dot_default, block_n=bn, split_k=sk, num_warps=nw, num_stages=ns))
     fastest = sorted((v, k) for k, v in times.items() if v == v)[:3]
     for _, label in fastest:
         for bk in SWEEP_BLOCK_K:
             add(replace(configs[label], block_k=bk))
         for pk in SWEEP_NORM_BLOCK_K:
             add(replace(configs[label], norm_block_k=pk))
-        add(configs[label], swap_ab=not configs[label].swap_ab)  # the other operand order
+        if not configs[label].gemv:
+            add(configs[label], swap_ab=not configs[label].swap_ab)  # the other operand order
     # The scale-after form (no norm prologue; its sums of squares split with K), where
     # split-K can fill the SMs: 112 column tiles x 7 splits = 784 programs ~ 6 waves.
     for bn, sk in itertools.product(SWEEP_BLOCK_N[:3], SWEEP_SCALE_AFTER_SPLIT_K):
-        add(replace(default, block_n=bn, split_k=sk, num_warps=4, num_stages=4,
+        add(replace(dot_default, block_n=bn, split_k=sk, num_warps=4, num_stages=4,
                     scale_after=True))
+    if t <= SWEEP_GEMV_MAX_TOKENS:
+        gemv = pick_launch_config(t, HIDDEN, LATENT, DTYPE, sms, gemv=True)
+        for bn, nw, ns in itertools.product(SWEEP_GEMV_BLOCK_N, SWEEP_GEMV_WARPS,
+                                            SWEEP_GEMV_STAGES):
+            # the same accumulator budget: block_k shrinks as block_n grows
+            bk = max(16, gemv.block_k * gemv.block_n // bn)
+            add(replace(gemv, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns))
     add(default)
     ok = {k: v for k, v in times.items() if v == v}
     best = min(ok, key=ok.get) if ok else None
