@@ -52,13 +52,14 @@ input element apart; the tests bound exactly that. The default keeps the spec's 
 **GEMV** (constexpr ``GEMV``, launch option ``gemv``; the default for one token, 16-bit
 weights): the product as fp32 FMAs on the CUDA cores instead of a tensor-core dot. A dot
 needs at least 16 token rows and its token operand staged in shared memory every step;
-here T is padded to a power of two only (1 stays 1), each step adds
-``up_w_tile[:, None, :] * h[None, :, :]`` into a ``[BLOCK_N, BLOCK_M, BLOCK_K]``
-accumulator (reduced once, after the loop), and the weight tiles stream through a
-software-pipelined plain loop. Same GEMM inputs (``h`` rounded as the spec says), exact
-products, fp32 sums in another order. Measured on the H200 at T = 1: 15.4 us against the
-dot's 17.5 (docs/benchmarks.md); from a few tokens on the FMAs cost more than the dot
-(26.7 against 18.0 us at T = 4).
+here T is padded to a power of two only (1 stays 1), each step adds ``up_w_tile * h``
+into an fp32 accumulator reduced once after the loop -- ``[BLOCK_N, BLOCK_K]`` with the
+one token row broadcast, ``[BLOCK_N, BLOCK_M, BLOCK_K]`` for more -- and the weight tiles
+stream through a software-pipelined plain loop. Same GEMM inputs (``h`` rounded as the
+spec says), exact products, fp32 sums in another order. Measured on the H200
+(docs/benchmarks.md): 15.4 us at T = 1 against the dot's 17.7; from two tokens on slower
+(25.4 against 17.9 at T = 2, 30.3 against 17.9 at 4: the FMAs grow with T, the dot's
+cost does not).
 
 Triton's CPU interpreter (``TRITON_INTERPRET=1``; tests) computes a 16-bit ``tl.dot``
 wrongly, so constexpr ``DOT_IN_FP32`` makes the dot an fp32 one of the already-rounded
@@ -174,8 +175,8 @@ def _moe_tail_kernel(
     k_end = tl.minimum(k_start + K_PER_SPLIT, L)
     if GEMV:
         # Summed over K once, after the loop: no reduction per step. One token: a 2-D
-        # accumulator the token row broadcasts into; 3-D for more (the expand_dims of the
-        # weight tile costs a layout conversion per step there -- 1.0 us at T = 1).
+        # accumulator the token row broadcasts into (the 3-D form's expand_dims of the
+        # weight tile costs a layout conversion per step: 17.2 against 15.4 us at T = 1).
         if BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
