@@ -25,8 +25,9 @@ one K range of ``L``:
    same product as ``acc.T += up_w[cols, k] @ A.T``, the weight tile as the dot's M side,
    which Hopper's wgmma reads straight from shared memory -- 2-3% faster on the H200 at
    T <= 16, the default there where the stages fit). T is padded to ``BLOCK_M``
-   (>= 16, ``tl.dot``'s smallest M) by masks; padded rows get an inverse RMS of 0 so they
-   stay 0 even with ``eps = 0``.
+   (a power of two, >= 16 for ``tl.dot``'s smallest M; the GEMV form below needs no
+   more than T) by masks; padded rows get an inverse RMS of 0 so they stay 0 even with
+   ``eps = 0``.
 3. **Epilogue**: ``acc + shared`` in fp32, stored once in the output dtype: one rounding
    where the reference rounds the GEMM output and then the sum (the tests bound the
    difference).
@@ -294,7 +295,7 @@ class LaunchConfig:
     scale_after: bool = False
     #: Compute ``out.T = up_w_tile @ h.T``: the weight tile is the dot's M side.
     swap_ab: bool = False
-    #: Per-token FMAs on CUDA cores instead of a tensor-core dot (``swap_ab`` then moot).
+    #: Per-token FMAs on CUDA cores instead of a tensor-core dot (``swap_ab`` then False).
     gemv: bool = False
 
 
@@ -321,11 +322,17 @@ def _block_m(tokens: int, gemv: bool = False) -> int:
 
 #: Up to this many tokens the automatic choice takes the GEMV form (16-bit weights).
 #: Measured on the H200 (bf16, L = 3584, H = 7168; docs/benchmarks.md): 15.4 us at T = 1
-#: against the tensor-core dot's 17.5; slower from T = 2 on.
+#: against the tensor-core dot's 17.7; slower from T = 2 on.
 GEMV_MAX_TOKENS = 1
 #: The GEMV form's accumulator elements per program (``BLOCK_N * BLOCK_M * BLOCK_K``): 64
-#: fp32 registers per thread at 4 warps.
+#: fp32 registers per thread at 4 warps -- kept where ``block_k`` can still shrink (>= 16).
 _GEMV_ACC_ELEMENTS = 8192
+
+
+def _gemv_block_k(block_n: int, block_m: int, latent: int) -> int:
+    """The GEMV form's ``block_k``: the accumulator budget over the tile's other two dims."""
+    l_pow2 = max(16, triton.next_power_of_2(latent))
+    return min(max(16, _GEMV_ACC_ELEMENTS // (block_n * block_m)), l_pow2)
 
 
 def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype,
@@ -334,15 +341,16 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     (``gemv``: None for the measured choice of form, True/False for that form's shape).
 
     GEMV form (T <= :data:`GEMV_MAX_TOKENS`, 16-bit weights): 32-column tiles, ``block_k``
-    256 at T = 1 (halved per doubling of T: the accumulator stays at 8K elements), 4
-    warps, 3 stages -- the fastest of eleven shapes at T = 1 on the H200 (15.40 us; 16-column
-    tiles 15.52, 64 x 128 at 8 warps 16.13).
+    256 at T = 1 (halved per doubling of T, down to 16: an 8K-element accumulator up to
+    T = 16), 4 warps, 3 stages -- the fastest of eleven shapes at T = 1 on the H200
+    (15.40 us; 16-column tiles 15.52, 64 x 128 at 8 warps 16.13), and no shape of a
+    51-shape sweep was clearly faster.
 
-    Measured (H200, bf16, L = 3584, H = 7168; ``--sweep``, docs/benchmarks.md): 64-column
-    tiles (112 programs) without split-K, ``block_k`` 256, 4 warps, 4 stages were fastest
-    at T = 1, 8 and 16 (18.3-19.1 us against 23.7-24.2 for 32-column tiles); ``norm_block_k``
-    512 there (8K prologue elements: 64 fp32 accumulators per thread at 4 warps). 16-bit
-    weights take the ``swap_ab`` operand order (2-3% faster; scale-after and split-K forms
+    Dot form, measured (H200, bf16, L = 3584, H = 7168; ``--sweep``, docs/benchmarks.md):
+    64-column tiles (112 programs) without split-K, ``block_k`` 256, 4 warps, 4 stages were
+    fastest at T = 1, 8 and 16 (18.3-19.1 us against 23.7-24.2 for 32-column tiles);
+    ``norm_block_k`` 512 there (8K prologue elements: 64 fp32 accumulators per thread at 4
+    warps). 16-bit weights take the ``swap_ab`` operand order (2-3% faster; scale-after and split-K forms
     were slower at every T, 20.5-28 us). Wider tiles mean fewer programs, each re-reading the token rows in its prologue
     once for more weight columns, and more weight bytes in flight per program. Below 64
     tiles (small ``H``) split-K fills the SMs. fp32 weights: ``block_k`` 64 (their dot
@@ -356,7 +364,7 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     norm_block_k = min(max(16, 8192 // block_m), l_pow2)  # 64 fp32 per thread
     if gemv:
         block_n = 32
-        block_k = min(max(16, _GEMV_ACC_ELEMENTS // (block_n * block_m)), l_pow2)
+        block_k = _gemv_block_k(block_n, block_m, latent)
     else:
         block_n = 64
         block_k = min(256 if two_byte else 64, l_pow2)
@@ -406,9 +414,12 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     if swap_ab and gemv:
         raise ValueError("swap_ab=True orders a tensor-core dot's operands; gemv=True has no "
                          "dot: ask for one or the other")
-    if swap_ab and gemv is None:
-        gemv = False  # an operand order asked for: the dot form
+    if swap_ab is not None and gemv is None:
+        gemv = False  # a dot operand order asked for (either one): the dot form
     auto = pick_launch_config(tokens, hidden, latent, dtype, _num_sms(device), gemv)
+    if auto.gemv and block_n and not block_k:
+        # the accumulator budget over the block_n asked for, not the default's
+        block_k = _gemv_block_k(block_n, _block_m(tokens, True), latent)
     block_k = block_k or auto.block_k
     # No empty splits: split_k as the number of K ranges of ceil(L / split_k) columns.
     k_blocks = cdiv(latent, block_k)

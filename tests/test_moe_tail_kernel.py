@@ -302,9 +302,11 @@ def test_no_tokens():
     assert y.shape == (0, 24) and y.dtype == torch.bfloat16
 
 
-def test_split_k_is_deterministic_and_leaves_counters_at_zero():
+@pytest.mark.parametrize("gemv", [False, True])
+def test_split_k_is_deterministic_and_leaves_counters_at_zero(gemv):
     c = Case(5, 150, 70, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
-    ys = [run_and_check(c, 3, {"split_k": 4, "block_n": 16, "block_k": 16}) for _ in range(2)]
+    opts = {"split_k": 4, "block_n": 16, "block_k": 16, "gemv": gemv}
+    ys = [run_and_check(c, 3, opts) for _ in range(2)]
     assert torch.equal(ys[0], ys[1])
     from k3fusion.kernels import _launch
 
@@ -339,7 +341,7 @@ def test_launch_config_heuristic():
 def test_launch_config_takes_the_gemv_form_for_one_16_bit_token():
     pick = kernel_mod.pick_launch_config
     one = pick(1, 7168, 3584, torch.bfloat16, 132)
-    assert one.gemv and not one.swap_ab  # H200: 15.4 us against the dot's 17.5
+    assert one.gemv and not one.swap_ab  # H200: 15.4 us against the dot's 17.7
     assert (one.block_n, one.block_k, one.num_warps, one.num_stages) == (32, 256, 4, 3)
     assert pick(1, 7168, 3584, torch.float16, 132).gemv
     assert not pick(1, 7168, 3584, torch.float32, 132).gemv  # not measured: the dot form
@@ -352,8 +354,14 @@ def test_launch_config_takes_the_gemv_form_for_one_16_bit_token():
     cpu = torch.device("cpu")
     # forced off at T = 1: the swapped dot, as before; so is asking for a dot operand order
     assert kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, gemv=False).swap_ab
-    forced = kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, swap_ab=True)
-    assert forced.swap_ab and not forced.gemv
+    for order in (True, False):
+        forced = kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, swap_ab=order)
+        assert forced.swap_ab is order and not forced.gemv
+    # a block_n asked for keeps the accumulator budget (block_k follows it)
+    wide = kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, block_n=64)
+    assert wide.gemv and wide.block_n * wide.block_k == 8192
+    assert kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, block_n=64,
+                                      block_k=32).block_k == 32  # as asked
     with pytest.raises(ValueError, match="swap_ab=True.*gemv=True"):
         kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, swap_ab=True, gemv=True)
 
@@ -523,6 +531,9 @@ def test_cuda_k3_sizes(tokens):
     dict(split_k=1, block_n=16), dict(split_k=2, block_n=64), dict(split_k=4, block_n=128),
     dict(split_k=3, block_n=32, block_k=128, num_warps=8, num_stages=3),
     dict(block_n=64, block_k=64, num_warps=2, num_stages=5),
+    # the GEMV form at 4 tokens (its 3-D accumulator), with split-K, with scale-after
+    dict(gemv=True), dict(gemv=True, split_k=3, block_n=16),
+    dict(gemv=True, scale_after=True, num_warps=8),
 ])
 def test_cuda_launch_configs(opts):
     x, s, w, up = _k3_inputs(4, seed=1)
@@ -690,8 +701,8 @@ from k3fusion.kernels.moe_tail import _moe_tail_kernel as k
 names = [p.name for p in k.params]
 for split, after, swap, gemv in ((1, True, False, 0), (7, True, False, 0), (1, False, False, 0),
                                 (4, False, False, 0), (1, False, True, 0), (2, True, True, 0),
-                                (1, False, False, 1), (3, True, False, 1)):
-    const = dict(BLOCK_M=1 if gemv else 16, BLOCK_N=32 if gemv else 64, BLOCK_K=256,
+                                (1, False, False, 1), (3, True, False, 1), (1, False, False, 4)):
+    const = dict(BLOCK_M=gemv or 16, BLOCK_N=32 if gemv else 64, BLOCK_K=64 if gemv == 4 else 256,
                  NORM_BLOCK_K=512, SPLIT_K=split, SCALE_AFTER=after, SWAP_AB=swap,
                  GEMV=bool(gemv), NUM_STAGES=3 if gemv else 4, WEIGHT_IN_FP32=False,
                  DOT_IN_FP32=False, GPU_FENCE=True, NORM_DTYPE=triton.language.bfloat16)
@@ -717,7 +728,8 @@ def test_gpu_variants_compile_for_hopper():
         "1 True False 0 True True", "7 True False 0 True True",
         "1 False False 0 True True", "4 False False 0 True True",
         "1 False True 0 True True", "2 True True 0 True True",
-        "1 False False 1 False True", "3 True False 1 False True"], out
+        "1 False False 1 False True", "3 True False 1 False True",
+        "1 False False 4 False True"], out
 
 
 @pytest.mark.parametrize("scale_after", [False, True])

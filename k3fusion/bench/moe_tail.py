@@ -29,10 +29,10 @@ Every variant is checked against ``k3fusion.reference.latent_moe_tail`` before t
 
 ``--sweep`` also times the kernel at every launch config of a grid (``block_n`` x
 ``split_k`` x ``num_warps`` x ``num_stages`` at the default ``block_k`` and
-``norm_block_k``, then each of those two varied for the three fastest) at each T <= 64, and
-up to 4 tokens a grid of the GEMV form (``block_n`` x ``num_warps`` x ``num_stages``,
-``block_k`` from its accumulator budget), to choose ``kernels.moe_tail.pick_launch_config``;
-``--sweep-only`` runs just that (no compiles).
+``norm_block_k``; up to 4 tokens also a grid of the GEMV form: ``block_n`` x ``num_warps``
+x ``num_stages``, ``block_k`` from its accumulator budget; then ``block_k`` and
+``norm_block_k`` varied for the three fastest of either form) at each T <= 64, to choose
+``kernels.moe_tail.pick_launch_config``; ``--sweep-only`` runs just that (no compiles).
 
 **(b) column-parallel vs replicated up-projection GEMM** (the large-T tiers' GEMM cost on
 one GPU): for T in ``--tp-tokens`` and tp in ``--tps``, one rank's
@@ -169,6 +169,13 @@ def _sweep(t: int, sets) -> dict:
     for bn, sk, nw, ns in itertools.product(SWEEP_BLOCK_N, SWEEP_SPLIT_K, SWEEP_WARPS,
                                             SWEEP_STAGES):
         add(replace(dot_default, block_n=bn, split_k=sk, num_warps=nw, num_stages=ns))
+    if t <= SWEEP_GEMV_MAX_TOKENS:  # before the refinement, so GEMV shapes get refined too
+        gemv = pick_launch_config(t, HIDDEN, LATENT, DTYPE, sms, gemv=True)
+        for bn, nw, ns in itertools.product(SWEEP_GEMV_BLOCK_N, SWEEP_GEMV_WARPS,
+                                            SWEEP_GEMV_STAGES):
+            # the same accumulator budget: block_k shrinks as block_n grows
+            bk = max(16, gemv.block_k * gemv.block_n // bn)
+            add(replace(gemv, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns))
     fastest = sorted((v, k) for k, v in times.items() if v == v)[:3]
     for _, label in fastest:
         for bk in SWEEP_BLOCK_K:
@@ -182,13 +189,6 @@ def _sweep(t: int, sets) -> dict:
     for bn, sk in itertools.product(SWEEP_BLOCK_N[:3], SWEEP_SCALE_AFTER_SPLIT_K):
         add(replace(dot_default, block_n=bn, split_k=sk, num_warps=4, num_stages=4,
                     scale_after=True))
-    if t <= SWEEP_GEMV_MAX_TOKENS:
-        gemv = pick_launch_config(t, HIDDEN, LATENT, DTYPE, sms, gemv=True)
-        for bn, nw, ns in itertools.product(SWEEP_GEMV_BLOCK_N, SWEEP_GEMV_WARPS,
-                                            SWEEP_GEMV_STAGES):
-            # the same accumulator budget: block_k shrinks as block_n grows
-            bk = max(16, gemv.block_k * gemv.block_n // bn)
-            add(replace(gemv, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns))
     add(default)
     ok = {k: v for k, v in times.items() if v == v}
     best = min(ok, key=ok.get) if ok else None
