@@ -180,16 +180,31 @@ def _store_output(out_ptr, mixed, cmask, out_norm_w_ptr, inv_rms,
 
 
 @triton.jit
-def _add_pairs(a_dot, a_sq, b_dot, b_sq):
-    return a_dot + b_dot, a_sq + b_sq
+def _add_pairs(a_0, a_1, b_0, b_1):
+    return a_0 + b_0, a_1 + b_1
+
+
+if interpreter_enabled():
+    # Triton's interpreter runs a tuple reduction's combine function in Python, ~13x
+    # slower than tl.sum's numpy path (the CPU test suite felt it): two sums there, the
+    # same math. The GPU form below is compiled for sm_90 by the CPU tests and run by the
+    # GPU tests.
+    @triton.jit
+    def _sum_pair(a, b, axis: tl.constexpr):
+        return tl.sum(a, axis=axis), tl.sum(b, axis=axis)
+else:
+    @triton.jit
+    def _sum_pair(a, b, axis: tl.constexpr):
+        """``sum(a)`` and ``sum(b)`` along ``axis`` in one reduction: one pass through
+        shared memory and one barrier instead of two (same tree as ``tl.sum``, same bits;
+        H200: 207.5 -> 204.6 us at T = 4096, 11.52 -> 11.04 at 128 in the row kernel)."""
+        return tl.reduce((a, b), axis, _add_pairs)
 
 
 @triton.jit
 def _dots_and_squares(x, g, axis: tl.constexpr):
-    """``sum(x * g)`` and ``sum(x * x)`` along ``axis`` in one reduction: one pass
-    through shared memory and one barrier instead of two (same tree as ``tl.sum``, same
-    bits; H200: 207.5 -> 204.6 us at T = 4096, 11.52 -> 11.04 at 128)."""
-    return tl.reduce((x * g, x * x), axis, _add_pairs)
+    """``sum(x * g)`` and ``sum(x * x)`` along ``axis``: a source's logit sums."""
+    return _sum_pair(x * g, x * x, axis)
 
 
 @triton.jit
@@ -440,8 +455,8 @@ def _attn_res_split_kernel(
             need = kmask[:, None] & (srcs <= num_blocks)[None, :]
             ptrs = recs + ks[:, None] * REC + srcs[None, :]
             # Summed over chunks in chunk order: the same bits whoever arrived first.
-            dots, sumsq = tl.reduce((_collect(ptrs, need, epoch, PHASE),
-                                     _collect(ptrs + S_PAD, need, epoch, PHASE)), 0, _add_pairs)
+            dots, sumsq = _sum_pair(_collect(ptrs, need, epoch, PHASE),
+                                    _collect(ptrs + S_PAD, need, epoch, PHASE), 0)
             logit = tl.rsqrt(sumsq / H + eps) * dots
             logit = tl.where(srcs <= num_blocks, logit, float("-inf"))
             e = tl.exp(logit - tl.max(logit, axis=0))
