@@ -182,7 +182,7 @@ def _moe_tail_kernel(
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
             acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
-    if SWAP_AB:
+    elif SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-__all__ = ["run_compile_script"]
+__all__ = ["run_compile_script", "hopper_ptx"]
 
 
 def run_compile_script(script: str, what: str, timeout_s: float = 300.0) -> str:
@@ -27,3 +27,26 @@ def run_compile_script(script: str, what: str, timeout_s: float = 300.0) -> str:
         pytest.skip("this triton has no ptxas")
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def hopper_ptx(kernel: str, what: str, const: dict, *, pointers: dict | None = None,
+               num_warps: int = 4) -> str:
+    """The sm_90 PTX of ``kernel`` (``"module:name"``) with the constexprs ``const``
+    (ints and bools). Other parameters: ``pointers.get(name)`` or ``*bf16`` for
+    ``*_ptr``, fp32 for ``*eps``, i32 for the rest (no alignment hints)."""
+    module, name = kernel.split(":")
+    script = f"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from {module} import {name} as k
+const = {const!r}
+pointers = {pointers or {}!r}
+names = [p.name for p in k.params]
+sig = {{n: "constexpr" if n in const else pointers.get(n, "*bf16") if n.endswith("_ptr")
+       else "fp32" if n.endswith("eps") else "i32" for n in names}}
+src = ASTSource(fn=k, signature=sig, constexprs={{(names.index(n),): v for n, v in const.items()}})
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options={{"num_warps": {num_warps}}}).asm["ptx"])
+"""
+    return run_compile_script(script, what)

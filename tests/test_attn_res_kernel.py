@@ -28,7 +28,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ptx import run_compile_script
+from _ptx import hopper_ptx
 from _tolerances import (assert_close_ulps, assert_matches_reference, dual_norm_tolerance,
                          ulp)
 from k3fusion import reference
@@ -741,22 +741,6 @@ def test_split_kernel_many_sources() -> None:
                               chunk=16), seed=nb)
 
 
-_PTX_CHECK = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from k3fusion.kernels.attn_res import _attn_res_split_kernel as k
-names = [p.name for p in k.params]
-const = dict(CHUNK=512, N_CHUNKS=14, N_CHUNKS_PAD=16, S_PAD=16, HAS_DELTA=True,
-             WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False, PHASE=0)
-ptrs = dict(words_ptr="*i64")
-sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
-       else "fp32" if n.endswith("eps") else "i32" for n in names}
-src = ASTSource(fn=k, signature=sig,
-                constexprs={(names.index(n),): v for n, v in const.items()})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
-print(ptx)
-"""
 
 
 def test_split_kernel_exchange_compiles_for_hopper() -> None:
@@ -765,7 +749,11 @@ def test_split_kernel_exchange_compiles_for_hopper() -> None:
     arrival add for the launch epoch, the tagged partial sums published by relaxed 64-bit
     GPU-scope exchanges, polls with volatile (relaxed) 64-bit loads; no fence, no
     acquire/release atomic."""
-    ptx = run_compile_script(_PTX_CHECK, "the split kernel")
+    ptx = hopper_ptx("k3fusion.kernels.attn_res:_attn_res_split_kernel", "the split kernel",
+                     dict(CHUNK=512, N_CHUNKS=14, N_CHUNKS_PAD=16, S_PAD=16, HAS_DELTA=True,
+                          WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False,
+                          PHASE=0),
+                     pointers={"words_ptr": "*i64"}, num_warps=2)
     lines = [line.strip() for line in ptx.splitlines()]
     assert not [x for x in lines if x.startswith("fence.")]
     adds = [x for x in lines if "atom" in x and ".add" in x]
@@ -779,26 +767,14 @@ def test_split_kernel_exchange_compiles_for_hopper() -> None:
 
 
 
-_ROW_PTX_CHECK = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from k3fusion.kernels.attn_res import _attn_res_kernel as k
-names = [p.name for p in k.params]
-const = dict(BLOCK_H=1024, SOURCES_PER_TILE=4, LOOP_STAGES=1, EARLY_TILE=True,
-             HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False)
-sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr")
-       else "fp32" if n.endswith("eps") else "i32" for n in names}
-src = ASTSource(fn=k, signature=sig,
-                constexprs={(names.index(n),): v for n, v in const.items()})
-print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
-"""
-
 
 def test_row_kernel_source_loop_loads_evict_first() -> None:
     """The decode shape's looped source loads carry the evict-first hint (worth 4% at
     T = 128 on the H200): rows read once per call go ahead of the rows it writes."""
-    ptx = run_compile_script(_ROW_PTX_CHECK, "the row kernel")
+    ptx = hopper_ptx("k3fusion.kernels.attn_res:_attn_res_kernel", "the row kernel",
+                     dict(BLOCK_H=1024, SOURCES_PER_TILE=4, LOOP_STAGES=1, EARLY_TILE=True,
+                          HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True,
+                          OUT_WEIGHT_IN_FP32=False))
     # predicated loads: "@%p1 ld.global..."
     loads = [x.split()[1] for x in ptx.splitlines() if " ld.global" in x]
     hinted = [x for x in loads if x.startswith("ld.global.L1::evict_first.L2::cache_hint")]

@@ -128,8 +128,8 @@ def config_label(cfg) -> str:
 
 def _sweep(t: int, sets) -> dict:
     """``{label: us}`` over the grid, the default config's label, and the fastest."""
-    from k3fusion.kernels.moe_tail import (LaunchConfig, _num_sms, _resolve_config,
-                                           pick_launch_config)
+    from k3fusion.kernels.moe_tail import (LaunchConfig, _block_m, _gemv_block_k, _num_sms,
+                                           _resolve_config, pick_launch_config)
     from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
 
     sms = _num_sms(torch.device(DEVICE))
@@ -174,8 +174,8 @@ def _sweep(t: int, sets) -> dict:
         for bn, nw, ns in itertools.product(SWEEP_GEMV_BLOCK_N, SWEEP_GEMV_WARPS,
                                             SWEEP_GEMV_STAGES):
             # the same accumulator budget: block_k shrinks as block_n grows
-            bk = max(16, gemv.block_k * gemv.block_n // bn)
-            add(replace(gemv, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns))
+            add(replace(gemv, block_n=bn, block_k=_gemv_block_k(bn, _block_m(t, True), LATENT),
+                        num_warps=nw, num_stages=ns))
     fastest = sorted((v, k) for k, v in times.items() if v == v)[:3]
     for _, label in fastest:
         for bk in SWEEP_BLOCK_K:
