@@ -27,6 +27,11 @@ they differ in where the up-projection FLOPs and the collectives go:
     The plain baseline (what a model writes): both all-reduces, norm, full GEMM, add.
     The fallback when nothing better is available.
 
+The unfused tiers (all but ``TAIL_FUSION``) normalize the latent, on a CUDA device at run
+time, in one Triton launch (``kernels/rms_norm.py``) instead of the reference's eager op
+sequence; so there they agree with the reference within the norm's fp32 summation order,
+not bit for bit. On CPU, and when traced, they are the reference's ops.
+
 Selection (:func:`select_tier`) looks only at the token count T and static facts
 (hidden size, tp, device type, config), so every rank of a group picks the same tier
 without communicating -- a tier that differed between ranks would deadlock or mix
@@ -39,8 +44,7 @@ partial and reduced sums. Rules, in order (``config`` is :class:`k3fusion.Fusion
    implementation whose ``select_max_tokens`` admits T -> ``TAIL_FUSION``;
 4. ``T <= shared_experts_stream_token_threshold`` and not
    ``disable_shared_experts_stream`` -> ``ALLREDUCE_OVERLAP``;
-5. tp = 1: ``REPLICATED`` (nothing to split, no all-reduce: the plain form, bit for bit
-   the reference); tp > 1: ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
+5. tp = 1: ``REPLICATED`` (nothing to split, no all-reduce: the plain form); tp > 1: ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
 
 The defaults come from measurements (``docs/benchmarks.md``): the overlap threshold is 0
 because column-parallel was faster at every T at tp = 2 on two H200s, and each fused-tail
@@ -257,8 +261,8 @@ def _select(tokens, hidden, tp, device, config: FusionConfig | None, force) -> t
     big = ("shared-experts stream disabled" if config.disable_shared_experts_stream
            else f"T > shared_experts_stream_token_threshold={threshold}")
     if tp == 1:
-        # No all-reduce to save and no columns to split: the plain form (the reference's
-        # own op sequence) costs the same as a one-shard addmm_ and is bit-identical.
+        # No all-reduce to save and no columns to split: the plain form costs the same
+        # as a one-shard addmm_.
         return Tier.REPLICATED, f"{small}{big}; tp=1"
     why = tier_unavailable_reason(Tier.COLUMN_PARALLEL, tokens, hidden, tp, device)
     if why is None:
@@ -327,11 +331,30 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.trigger_wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+def _rms_norm(x, w, eps, weight_in_fp32, norm_dtype):
+    """The unfused tiers' norm of the all-reduced latent. On a CUDA tensor at run time:
+    one Triton launch (``kernels/rms_norm.py``), the fp32 sum in another order than torch's
+    -- the reference's eager sequence is about eight kernels, and on the H200 it made the
+    tail at T = 17..64 take ~41 us against default Inductor's ~20. Under a trace (Inductor
+    fuses the norm itself) and on CPU: the reference, bit for bit."""
+    if not x.is_cuda or torch.compiler.is_compiling() or x.numel() == 0:
+        return reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
+    from k3fusion.kernels import rms_norm as launch
+    from k3fusion.ops._args import _rows
+
+    dtype = reference.rms_norm_out_dtype(x.dtype, w.dtype, weight_in_fp32, norm_dtype)
+    y = x.new_empty(x.shape, dtype=dtype)
+    launch(_rows(x), w, eps, _rows(y), weight_in_fp32, norm_dtype)
+    return y
+
+
 def _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
                 donate_shared):
-    # Exactly the reference's op sequence (bit-identical results).
-    return reference.latent_moe_tail(routed, shared, norm_w, eps, up_w, group, weight_in_fp32,
-                                     norm_dtype)
+    # The reference's op sequence (on CPU bit for bit), the norm as above. cuBLAS's
+    # beta-add epilogue instead of the separate add: 2% slower at T = 4096 on the H200,
+    # within 0.2 us from 17 to 512 tokens -- not taken.
+    h = _rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32, norm_dtype)
+    return reference.all_reduce(shared, group) + h @ up_w.T
 
 
 # Per CUDA device: (side stream, event "shared ready", event "shared reduced").
@@ -359,8 +382,8 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtyp
         with torch.cuda.stream(side):
             shared_sum = _wait(_all_reduce_async(shared, group))
             done.record(side)
-        h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32,
-                               norm_dtype)
+        h = _rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32,
+                      norm_dtype)
         up = h @ up_w.T                # overlaps the shared all-reduce
         main.wait_event(done)
         shared_sum.record_stream(main)  # allocated on the side stream, released on main
@@ -368,8 +391,7 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtyp
     # CPU / traced: issue the shared all-reduce first and wait for it only after the GEMM
     # (gloo runs it on its worker threads meanwhile; a trace leaves placement to Inductor).
     pending = _all_reduce_async(shared, group)
-    h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32,
-                               norm_dtype)
+    h = _rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32, norm_dtype)
     up = h @ up_w.T
     return _wait(pending) + up
 
@@ -377,8 +399,7 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtyp
 def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
                      donate_shared):
     tp, rank = tp_size_and_rank(group)
-    h = reference.rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32,
-                               norm_dtype)
+    h = _rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32, norm_dtype)
     hidden = shared.shape[-1]
     shard = hidden // tp
     start = rank * shard

@@ -9,5 +9,6 @@ validates its own arguments and returns a new output.
 from .attn_res import attn_res
 from .dual_rms_norm import dual_rms_norm
 from .moe_tail import latent_moe_tail_fused
+from .rms_norm import rms_norm
 
-__all__ = ["attn_res", "dual_rms_norm", "latent_moe_tail_fused"]
+__all__ = ["attn_res", "dual_rms_norm", "latent_moe_tail_fused", "rms_norm"]

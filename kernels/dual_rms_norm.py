@@ -24,48 +24,9 @@ import triton
 import triton.language as tl
 
 from ._launch import check_launchable, cdiv
+from .rms_norm import _rms_norm_rows
 
 __all__ = ["dual_rms_norm", "pick_launch_shape", "LaunchShape"]
-
-
-@triton.jit
-def _rms_norm_rows(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    row0,
-    n_rows,
-    x_row_stride,
-    y_row_stride,
-    n_cols,
-    eps,
-    BLOCK_COLS: tl.constexpr,
-    ROWS: tl.constexpr,
-    WEIGHT_IN_FP32: tl.constexpr,
-):
-    rows = row0 + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_COLS)
-    row_mask = rows < n_rows
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-    # int64 row offsets: T * stride overflows int32 at long prefill sizes.
-    rows64 = rows.to(tl.int64)
-
-    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-    x32 = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / n_cols + eps)
-    normed = x32 * inv_rms[:, None]
-    w32 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if WEIGHT_IN_FP32:
-        y = normed * w32[None, :]
-    else:
-        # The eager graph rounds to the input dtype before weighting; so do we.
-        y = normed.to(x.dtype).to(tl.float32) * w32[None, :]
-    tl.store(
-        y_ptr + rows64[:, None] * y_row_stride + cols[None, :],
-        y.to(y_ptr.dtype.element_ty),
-        mask=mask,
-    )
 
 
 @triton.jit
@@ -86,11 +47,12 @@ def _dual_rms_norm_kernel(
     pid = tl.program_id(0)
     if pid < n_programs1:
         _rms_norm_rows(x1_ptr, w1_ptr, y1_ptr, pid * ROWS1, n_rows1, x1_row_stride,
-                       y1_row_stride, n_cols1, eps1, BLOCK_COLS1, ROWS1, WEIGHT_IN_FP32_1)
+                       y1_row_stride, n_cols1, eps1, BLOCK_COLS1, ROWS1, WEIGHT_IN_FP32_1,
+                       x1_ptr.dtype.element_ty)
     else:
         _rms_norm_rows(x2_ptr, w2_ptr, y2_ptr, (pid - n_programs1) * ROWS2, n_rows2,
                        x2_row_stride, y2_row_stride, n_cols2, eps2, BLOCK_COLS2, ROWS2,
-                       WEIGHT_IN_FP32_2)
+                       WEIGHT_IN_FP32_2, x2_ptr.dtype.element_ty)
 
 
 @dataclass(frozen=True)

@@ -695,3 +695,38 @@ def test_argument_errors(change, exc, match):
     args.update(change)
     with pytest.raises(exc, match=match):
         moe_tail.latent_moe_tail(**args)
+
+
+# ============================================================================ tp = 1 on the GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [17, 64, 4099])
+@pytest.mark.parametrize("tier", ["replicated", "allreduce_overlap", "column_parallel"])
+def test_unfused_tiers_on_cuda_norm_in_one_launch(tier, tokens, monkeypatch):
+    """Above the fused tail on a CUDA device, every unfused tier normalizes the latent with
+    the one-launch Triton norm (not the reference's ~8 eager kernels), at K3 widths (bf16,
+    L = 3584, H = 7168), and stays within the exact tail's bound; inputs are kept."""
+    from k3fusion.kernels import rms_norm as rms_norm_launch
+    import k3fusion.kernels as kernels
+
+    launches = []
+
+    def counted(*args, **kwargs):
+        launches.append(args[0].shape)
+        return rms_norm_launch(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "rms_norm", counted)
+    latent, hidden, dt = 3584, 7168, torch.bfloat16
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, latent, generator=g).to("cuda", dt)
+    s = torch.randn(tokens, hidden, generator=g).to("cuda", dt)
+    w = (1 + 0.1 * torch.randn(latent, generator=g)).to("cuda", dt)
+    up = (torch.randn(hidden, latent, generator=g) / latent**0.5).to("cuda", dt)
+    x0, s0 = x.clone(), s.clone()
+    y, ran = moe_tail.run_latent_moe_tail(x, s, w, EPS, up, tier=tier)
+    assert ran is Tier(tier) and launches == [(tokens, latent)]
+    assert torch.equal(x, x0) and torch.equal(s, s0)
+    exact, bound = latent_tail_exact_and_bound(x[None].cpu(), s[None].cpu(), w.cpu(), up.cpu(),
+                                               EPS, UNIT_ROUNDOFF[dt])
+    assert_within(y.cpu(), exact, bound, f"{tier} T={tokens}")

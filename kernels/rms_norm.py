@@ -1,0 +1,118 @@
+"""One RMSNorm over rows, in one Triton launch; and the row routine the fused kernels share.
+
+The latent-MoE tail's unfused tiers (T above the fused tail) normalize the all-reduced
+latent with this launch instead of the reference's eager op sequence: that sequence is
+about eight kernels (cast, square, mean, add, rsqrt, scale, cast, weight), and at T = 64
+its mean alone took 8.6 us on the H200, against ~4.8 us for default Inductor's whole
+fused norm of the same rows (docs/benchmarks.md).
+
+Formulation, matching ``k3fusion.reference.rms_norm``: fp32 sum of squares, rsqrt and
+products; cast-then-weight rounds the normalized row to ``ROUND_DTYPE`` (the input's
+dtype, or the graph's ``norm_dtype``) before the weight multiply, weight-in-fp32 rounds
+once at the end. The fp32 sum runs in another order than torch's ``mean``: the result
+agrees with the reference to within that rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import cdiv, check_launchable
+
+__all__ = ["rms_norm", "pick_launch_shape"]
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _rms_norm_rows(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    row0,
+    n_rows,
+    x_row_stride,
+    y_row_stride,
+    n_cols,
+    eps,
+    BLOCK_COLS: tl.constexpr,
+    ROWS: tl.constexpr,
+    WEIGHT_IN_FP32: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+):
+    """Rows ``row0 .. row0 + ROWS`` of ``x`` (those below ``n_rows``), normalized into ``y``."""
+    rows = row0 + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    # int64 row offsets: T * stride overflows int32 at long prefill sizes.
+    rows64 = rows.to(tl.int64)
+
+    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / n_cols + eps)
+    normed = x32 * inv_rms[:, None]
+    w32 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if WEIGHT_IN_FP32:
+        y = normed * w32[None, :]
+    else:
+        # The eager graph rounds the normalized row before weighting; so do we.
+        y = normed.to(ROUND_DTYPE).to(tl.float32) * w32[None, :]
+    tl.store(
+        y_ptr + rows64[:, None] * y_row_stride + cols[None, :],
+        y.to(y_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, y_ptr, n_rows, x_row_stride, y_row_stride, n_cols, eps,
+    BLOCK_COLS: tl.constexpr,
+    ROWS: tl.constexpr,
+    WEIGHT_IN_FP32: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+):
+    _rms_norm_rows(x_ptr, w_ptr, y_ptr, tl.program_id(0) * ROWS, n_rows, x_row_stride,
+                   y_row_stride, n_cols, eps, BLOCK_COLS, ROWS, WEIGHT_IN_FP32, ROUND_DTYPE)
+
+
+def pick_launch_shape(block_cols: int, rows_per_program: int = 0,
+                      num_warps: int = 0) -> tuple[int, int]:
+    """``(rows per program, warps)``: rows narrower than 2048 columns are grouped into a
+    tile of about 2048 elements (at most 16 rows), and a warp takes 1024 tile elements
+    (32 per thread: 16-byte loads, no spills) -- the rule of the q/kv pair kernel."""
+    rows = rows_per_program or max(1, min(16, 2048 // block_cols))
+    warps = num_warps or max(1, min(16, rows * block_cols // 1024))
+    return rows, warps
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
+             weight_in_fp32: bool = False, norm_dtype: torch.dtype | None = None,
+             rows_per_program: int = 0, num_warps: int = 0) -> None:
+    """Launch on the 2-D row view ``x [T, N]`` into the preallocated ``y [T, N]`` (any row
+    strides, last dims contiguous). ``norm_dtype``: cast-then-weight's rounding dtype when
+    it is not ``x``'s. Arguments are validated by the caller; this checks only what the
+    launch itself needs."""
+    check_launchable(x, w, y)
+    if x.dim() != 2 or y.shape != x.shape:
+        raise ValueError(f"x and y must be 2-D row views of one shape, got {tuple(x.shape)} "
+                         f"and {tuple(y.shape)}")
+    if norm_dtype is not None and weight_in_fp32:
+        raise ValueError("norm_dtype applies to the cast-then-weight form only")
+    round_dtype = x.dtype if norm_dtype is None else norm_dtype
+    if round_dtype not in _TL_DTYPES:
+        raise TypeError(f"norm_dtype must be float32, bfloat16 or float16, got {round_dtype}")
+    n_rows, n_cols = x.shape
+    if n_rows == 0:
+        return
+    block = triton.next_power_of_2(n_cols)
+    rows, warps = pick_launch_shape(block, rows_per_program, num_warps)
+    _rms_norm_kernel[(cdiv(n_rows, rows),)](
+        x, w, y, n_rows, x.stride(0), y.stride(0), n_cols, float(eps),
+        BLOCK_COLS=block, ROWS=rows, WEIGHT_IN_FP32=bool(weight_in_fp32),
+        ROUND_DTYPE=_TL_DTYPES[round_dtype], num_warps=warps,
+    )
