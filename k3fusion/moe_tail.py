@@ -44,7 +44,8 @@ partial and reduced sums. Rules, in order (``config`` is :class:`k3fusion.Fusion
    implementation whose ``select_max_tokens`` admits T -> ``TAIL_FUSION``;
 4. ``T <= shared_experts_stream_token_threshold`` and not
    ``disable_shared_experts_stream`` -> ``ALLREDUCE_OVERLAP``;
-5. tp = 1: ``REPLICATED`` (nothing to split, no all-reduce: the plain form); tp > 1: ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
+5. tp = 1: ``REPLICATED`` (nothing to split, no all-reduce: the plain form); tp > 1:
+   ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
 
 The defaults come from measurements (``docs/benchmarks.md``): the overlap threshold is 0
 because column-parallel was faster at every T at tp = 2 on two H200s, and each fused-tail
@@ -332,26 +333,20 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_norm(x, w, eps, weight_in_fp32, norm_dtype):
-    """The unfused tiers' norm of the all-reduced latent. On a CUDA tensor at run time:
-    one Triton launch (``kernels/rms_norm.py``), the fp32 sum in another order than torch's
-    -- the reference's eager sequence is about eight kernels, and on the H200 it made the
-    tail at T = 17..64 take ~41 us against default Inductor's ~20. Under a trace (Inductor
-    fuses the norm itself) and on CPU: the reference, bit for bit."""
-    if not x.is_cuda or torch.compiler.is_compiling() or x.numel() == 0:
-        return reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
-    from k3fusion.kernels import rms_norm as launch
-    from k3fusion.ops._args import _rows
-
-    dtype = reference.rms_norm_out_dtype(x.dtype, w.dtype, weight_in_fp32, norm_dtype)
-    y = x.new_empty(x.shape, dtype=dtype)
-    launch(_rows(x), w, eps, _rows(y), weight_in_fp32, norm_dtype)
-    return y
+    """The unfused tiers' norm of the all-reduced latent. On CUDA, ``k3fusion::rms_norm``:
+    one Triton launch, where the reference's eager sequence is about eight kernels (on the
+    H200 it made the tail at T = 17-64 take ~41 us against default Inductor's ~20); it
+    agrees with the reference within the fp32 sum's order. Under torch.compile (Inductor
+    fuses the norm itself) and on CPU: the reference's ops, bit for bit."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        return torch.ops.k3fusion.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
+    return reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
 
 
 def _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
                 donate_shared):
     # The reference's op sequence (on CPU bit for bit), the norm as above. cuBLAS's
-    # beta-add epilogue instead of the separate add: 2% slower at T = 4096 on the H200,
+    # beta-add epilogue instead of the separate add: 4% slower at T = 4096 on the H200,
     # within 0.2 us from 17 to 512 tokens -- not taken.
     h = _rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32, norm_dtype)
     return reference.all_reduce(shared, group) + h @ up_w.T

@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-__all__ = ["cdiv", "interpreter_enabled", "check_launchable", "counter_buffer"]
+__all__ = ["cdiv", "interpreter_enabled", "check_launchable", "counter_buffer",
+           "on_tensor_device"]
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def on_tensor_device(launcher):
+    """Run ``launcher`` with its first tensor argument's CUDA device current.
+
+    Triton launches on the *current* device's current stream, not on the tensors' device:
+    with the data on ``cuda:1`` and ``cuda:0`` current (one process driving several GPUs,
+    e.g. a model split across them), a launch would run on the wrong device's stream or be
+    refused. A CPU first tensor (the interpreter, or a launcher's own error path) runs as is.
+    """
+
+    @functools.wraps(launcher)
+    def launch(*args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is None or first.device.type != "cuda":
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(first.device):
+            return launcher(*args, **kwargs)
+
+    return launch
 
 
 def interpreter_enabled() -> bool:

@@ -90,7 +90,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, check_launchable, counter_buffer, interpreter_enabled
+from ._launch import (cdiv, check_launchable, counter_buffer, interpreter_enabled,
+                      on_tensor_device)
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
@@ -573,6 +574,7 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
                        loop_stages=loop_stages, early_tile=bool(early_tile))
 
 
+@on_tensor_device
 def attn_res(
     prefix: torch.Tensor,
     blocks: torch.Tensor,

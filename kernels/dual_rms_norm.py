@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import check_launchable, cdiv
+from ._launch import cdiv, check_launchable, on_tensor_device
 from .rms_norm import _rms_norm_rows
 
 __all__ = ["dual_rms_norm", "pick_launch_shape", "LaunchShape"]
@@ -83,6 +83,7 @@ def pick_launch_shape(n_rows: int, block1: int, block2: int, rows_per_program: i
     return LaunchShape(rows1, rows2, warps)
 
 
+@on_tensor_device
 def dual_rms_norm(
     x1: torch.Tensor,
     w1: torch.Tensor,

@@ -86,7 +86,7 @@ import triton.language as tl
 
 from ._fences import fence_gpu
 from ._launch import (_kernels_are_interpreted, cdiv, counter_buffer,
-                      interpreter_enabled)
+                      interpreter_enabled, on_tensor_device)
 
 __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_fused",
            "check_fused_tail_args"]
@@ -525,6 +525,7 @@ def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp
 # ---------------------------------------------------------------------- launch
 
 
+@on_tensor_device
 def latent_moe_tail_fused(
     routed_latent: torch.Tensor,
     shared: torch.Tensor,

@@ -1,4 +1,4 @@
-"""One RMSNorm over rows, in one Triton launch; and the row routine the fused kernels share.
+"""One RMSNorm over rows in one Triton launch, and the row routine the q/kv pair kernel shares.
 
 The latent-MoE tail's unfused tiers (T above the fused tail) normalize the all-reduced
 latent with this launch instead of the reference's eager op sequence: that sequence is
@@ -11,6 +11,11 @@ products; cast-then-weight rounds the normalized row to ``ROUND_DTYPE`` (the inp
 dtype, or the graph's ``norm_dtype``) before the weight multiply, weight-in-fp32 rounds
 once at the end. The fp32 sum runs in another order than torch's ``mean``: the result
 agrees with the reference to within that rounding, not bit for bit.
+
+The row count is not specialized on (``do_not_specialize``): one compiled kernel serves
+every T of a dtype and width, so a CUDA-graph capture at a new T needs no compile (the
+first call of a dtype and width still must come before any capture, as for every Triton
+kernel: a compile inside a capture invalidates it).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, check_launchable
+from ._launch import cdiv, check_launchable, on_tensor_device
 
 __all__ = ["rms_norm", "pick_launch_shape"]
 
@@ -68,7 +73,7 @@ def _rms_norm_rows(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, n_rows, x_row_stride, y_row_stride, n_cols, eps,
     BLOCK_COLS: tl.constexpr,
@@ -84,12 +89,13 @@ def pick_launch_shape(block_cols: int, rows_per_program: int = 0,
                       num_warps: int = 0) -> tuple[int, int]:
     """``(rows per program, warps)``: rows narrower than 2048 columns are grouped into a
     tile of about 2048 elements (at most 16 rows), and a warp takes 1024 tile elements
-    (32 per thread: 16-byte loads, no spills) -- the rule of the q/kv pair kernel."""
+    (32 per thread: 16-byte loads, no spills; the q/kv pair kernel's per-warp budget)."""
     rows = rows_per_program or max(1, min(16, 2048 // block_cols))
     warps = num_warps or max(1, min(16, rows * block_cols // 1024))
     return rows, warps
 
 
+@on_tensor_device
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
              weight_in_fp32: bool = False, norm_dtype: torch.dtype | None = None,
              rows_per_program: int = 0, num_warps: int = 0) -> None:
@@ -103,9 +109,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
                          f"and {tuple(y.shape)}")
     if norm_dtype is not None and weight_in_fp32:
         raise ValueError("norm_dtype applies to the cast-then-weight form only")
+    if x.dtype not in _TL_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if norm_dtype is not None and norm_dtype not in _TL_DTYPES:
+        raise TypeError(f"norm_dtype must be float32, bfloat16 or float16, got {norm_dtype}")
     round_dtype = x.dtype if norm_dtype is None else norm_dtype
-    if round_dtype not in _TL_DTYPES:
-        raise TypeError(f"norm_dtype must be float32, bfloat16 or float16, got {round_dtype}")
     n_rows, n_cols = x.shape
     if n_rows == 0:
         return

@@ -2,9 +2,10 @@
 H = 7168): every NCCL tier (replicated, overlap, column-parallel; the fused tail needs the
 opt-in symm-mem implementation at tp > 1, tested in ``test_moe_tail_symm``) forced at T
 from 0 to 4096, across the overlap threshold (default and one above) and around the
-symm-mem tail's limit, equals the exact tail within the bound of ``test_moe_tail_tiers`` (and the two tiers that run
-the same ops on different streams -- replicated and overlap -- equal each other bit for bit),
-every rank's output is the same, and every rank's ``select_tier`` picks the same tier. Skipped without enough GPUs (``pytest -m cuda``).
+symm-mem tail's limit, equals the exact tail within the bound of ``test_moe_tail_tiers``;
+the two tiers that run the same ops on different streams (replicated and overlap) equal
+each other bit for bit; every rank's output is the same, and every rank's ``select_tier``
+picks the same tier. Skipped without enough GPUs (``pytest -m cuda``).
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ def _tiers_on_rank(rank: int, world: int, group, tokens_list) -> dict:
         exact, bound = latent_tail_exact_and_bound(torch.stack(xs), torch.stack(ss), norm_w,
                                                    up_w, EPS, U_BF16)
         x_before, s_before = x.clone(), s.clone()
-        facts = {"auto": moe_tail.select_tier(tokens, HIDDEN, world, dev).value}
-        outputs = {}
+        facts, outputs = {}, {}
         for tier in moe_tail.available_tiers(tokens, HIDDEN, world, dev):
             y = moe_tail.latent_moe_tail(x, s, norm_w, EPS, up_w, group, tier=tier)
             ys = [torch.empty_like(y) for _ in range(world)]
@@ -62,9 +62,10 @@ def _tiers_on_rank(rank: int, world: int, group, tokens_list) -> dict:
                 same_on_ranks=all(torch.equal(o, ys[0]) for o in ys),
                 inputs_kept=torch.equal(x, x_before) and torch.equal(s, s_before))
             outputs[tier.value] = y
-        facts["overlap_equals_replicated"] = torch.equal(outputs["replicated"],
-                                                         outputs["allreduce_overlap"])
-        out[tokens] = facts
+        out[tokens] = dict(
+            auto=moe_tail.select_tier(tokens, HIDDEN, world, dev).value, tiers=facts,
+            overlap_equals_replicated=torch.equal(outputs["replicated"],
+                                                  outputs["allreduce_overlap"]))
     return out
 
 
@@ -78,11 +79,11 @@ def test_nccl_tiers_equal_the_exact_tail(world):
     for tokens in tokens_list:
         autos = {r[tokens]["auto"] for r in ranks}
         assert len(autos) == 1, f"T={tokens}: ranks chose {autos}"
-        tiers = [k for k in ranks[0][tokens] if k not in ("auto", "overlap_equals_replicated")]
+        tiers = list(ranks[0][tokens]["tiers"])
         assert {"replicated", "allreduce_overlap", "column_parallel"} <= set(tiers), tiers
         for rank, r in enumerate(ranks):
             for tier in tiers:
-                f = r[tokens][tier]
+                f = r[tokens]["tiers"][tier]
                 what = f"tp={world} T={tokens} rank {rank} {tier}"
                 assert f["beyond_bound"] == 0, f"{what}: {f['beyond_bound']} beyond the bound"
                 assert f["same_on_ranks"], f"{what}: ranks differ"

@@ -34,6 +34,7 @@ import torch
 
 import k3fusion
 from _gloo import run_ranks
+from _kernel_paths import spy_on_launcher
 from _tolerances import latent_tail_exact_and_bound
 from k3fusion import moe_tail, reference
 from k3fusion.config import FusionConfig, load_config
@@ -699,34 +700,37 @@ def test_argument_errors(change, exc, match):
 
 # ============================================================================ tp = 1 on the GPU
 
+# (lead dims, latent dtype, norm_dtype, weight_in_fp32): the model's bf16 tail, the
+# weight-in-fp32 norm, the graph pass's fp32 latent rounded to bf16, leading dims.
+_GPU_FORMS = {"bf16": ((), torch.bfloat16, None, False),
+              "weight_in_fp32": ((), torch.bfloat16, None, True),
+              "fp32_latent_norm_dtype": ((), torch.float32, torch.bfloat16, False),
+              "lead_dims": ((3,), torch.bfloat16, None, False)}
+
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("form", list(_GPU_FORMS))
 @pytest.mark.parametrize("tokens", [17, 64, 4099])
 @pytest.mark.parametrize("tier", ["replicated", "allreduce_overlap", "column_parallel"])
-def test_unfused_tiers_on_cuda_norm_in_one_launch(tier, tokens, monkeypatch):
+def test_unfused_tiers_on_cuda_norm_in_one_launch(tier, tokens, form):
     """Above the fused tail on a CUDA device, every unfused tier normalizes the latent with
-    the one-launch Triton norm (not the reference's ~8 eager kernels), at K3 widths (bf16,
-    L = 3584, H = 7168), and stays within the exact tail's bound; inputs are kept."""
-    from k3fusion.kernels import rms_norm as rms_norm_launch
-    import k3fusion.kernels as kernels
-
-    launches = []
-
-    def counted(*args, **kwargs):
-        launches.append(args[0].shape)
-        return rms_norm_launch(*args, **kwargs)
-
-    monkeypatch.setattr(kernels, "rms_norm", counted)
+    one launch of the Triton norm (not the reference's ~8 eager kernels), at K3 widths
+    (L = 3584, H = 7168; bf16 weights and shared partial), and stays within the exact
+    tail's bound; inputs are kept."""
+    lead, x_dtype, norm_dtype, weight_in_fp32 = _GPU_FORMS[form]
     latent, hidden, dt = 3584, 7168, torch.bfloat16
     g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, latent, generator=g).to("cuda", dt)
-    s = torch.randn(tokens, hidden, generator=g).to("cuda", dt)
+    x = torch.randn(*lead, tokens, latent, generator=g).to("cuda", x_dtype)
+    s = torch.randn(*lead, tokens, hidden, generator=g).to("cuda", dt)
     w = (1 + 0.1 * torch.randn(latent, generator=g)).to("cuda", dt)
     up = (torch.randn(hidden, latent, generator=g) / latent**0.5).to("cuda", dt)
     x0, s0 = x.clone(), s.clone()
-    y, ran = moe_tail.run_latent_moe_tail(x, s, w, EPS, up, tier=tier)
-    assert ran is Tier(tier) and launches == [(tokens, latent)]
+    with spy_on_launcher("rms_norm", "norm_dtype") as launches:
+        y, ran = moe_tail.run_latent_moe_tail(x, s, w, EPS, up, tier=tier,
+                                              weight_in_fp32=weight_in_fp32,
+                                              norm_dtype=norm_dtype)
+    assert ran is Tier(tier) and launches == [norm_dtype]
     assert torch.equal(x, x0) and torch.equal(s, s0)
     exact, bound = latent_tail_exact_and_bound(x[None].cpu(), s[None].cpu(), w.cpu(), up.cpu(),
                                                EPS, UNIT_ROUNDOFF[dt])
-    assert_within(y.cpu(), exact, bound, f"{tier} T={tokens}")
+    assert_within(y.cpu(), exact, bound, f"{tier} T={tokens} {form}")

@@ -1,9 +1,10 @@
-"""The single RMSNorm Triton kernel (the latent-MoE tail's unfused tiers), through its
-launcher, against ``k3fusion.reference.rms_norm``.
+"""The single RMSNorm: its Triton kernel through the launcher, and the ``k3fusion::rms_norm``
+op (what the latent-MoE tail's unfused tiers call on CUDA), against
+``k3fusion.reference.rms_norm``.
 
 Same property test and tolerances as the dual kernel's (``test_dual_rms_norm_kernel``, whose
-input strategy it shares): interpreted on CPU, compiled on a CUDA machine, plus the tail's
-real width (L = 3584) on the GPU.
+input strategy it shares), plus a drawn ``norm_dtype``: interpreted on CPU, compiled on a
+CUDA machine, and the tail's real width (L = 3584) on the GPU.
 """
 
 from __future__ import annotations
@@ -13,29 +14,32 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _tolerances import assert_matches_reference, assert_on_input_grid, dual_norm_tolerance, \
-    assert_close_ulps
+from _tolerances import assert_matches_reference, assert_on_input_grid
 from k3fusion import reference
 from k3fusion.kernels.rms_norm import pick_launch_shape
 from k3fusion.kernels.rms_norm import rms_norm as launch
-from test_dual_rms_norm_kernel import DEVICE, INTERPRETED, Member, make_inputs, members, \
-    poisoned_output
+from test_dual_rms_norm_kernel import DEVICE, INTERPRETED, Member, make_inputs, members
+
+NORM_DTYPES = [None, torch.float32, torch.bfloat16, torch.float16]
 
 
-def run_and_check(m: Member, rows_per_program: int, seed: int, *,
+def run_and_check(m: Member, rows_per_program: int, seed: int, norm_dtype=None, *,
                   bf16_casts_truncate: bool = INTERPRETED, device: str = DEVICE) -> None:
     gen = torch.Generator().manual_seed(seed)
     xp, x, w = make_inputs(m, gen, device)
     saved = (xp.clone(), w.clone())
-    yp, y = poisoned_output(m, device)
+    out_dtype = reference.rms_norm_out_dtype(m.x_dtype, m.w_dtype, m.weight_in_fp32, norm_dtype)
+    yp = torch.full((m.rows, m.width + m.out_pad), float("nan"), dtype=out_dtype, device=device)
+    y = yp[:, : m.width]
 
-    launch(x, w, m.eps, y, m.weight_in_fp32, rows_per_program=rows_per_program)
+    launch(x, w, m.eps, y, m.weight_in_fp32, norm_dtype, rows_per_program=rows_per_program)
 
     assert torch.equal(saved[0], xp) and torch.equal(saved[1], w), "an input was modified"
     assert not y.isnan().any(), f"{int(y.isnan().sum())} elements never written"
     assert yp[:, m.width:].isnan().all(), "columns beside the row view were written"
-    assert_matches_reference(y, x, w, m.eps, m.weight_in_fp32,
-                             bf16_casts_truncate=bf16_casts_truncate, msg=str(m))
+    assert_matches_reference(y, x, w, m.eps, m.weight_in_fp32, norm_dtype=norm_dtype,
+                             bf16_casts_truncate=bf16_casts_truncate,
+                             msg=f"{m} norm_dtype={norm_dtype}")
 
 
 _LATENT = Member(rows=5, width=112, pad=0, out_pad=0, x_dtype=torch.bfloat16, w_fp32=False,
@@ -43,18 +47,23 @@ _LATENT = Member(rows=5, width=112, pad=0, out_pad=0, x_dtype=torch.bfloat16, w_
 
 
 @given(m=members(), rows_per_program=st.sampled_from([0, 1, 2, 4]),
-       seed=st.integers(0, 2**31 - 1))
+       norm_dtype=st.sampled_from(NORM_DTYPES), seed=st.integers(0, 2**31 - 1))
 # The tail's latent scaled down (112 = 3584 / 32, not a power of two), one row, no rows,
-# a strided view with an all-zero row and fp32 weight (fp32 output).
-@example(m=_LATENT, rows_per_program=0, seed=0)
+# a strided view with an all-zero row and fp32 weight (fp32 output), and the graph pass's
+# form: an fp32 latent rounded to bf16 (norm_dtype) before a bf16 weight.
+@example(m=_LATENT, rows_per_program=0, norm_dtype=None, seed=0)
 @example(m=Member(1, 112, 0, 0, torch.bfloat16, False, True, 1e-6, 0, False),
-         rows_per_program=0, seed=1)
+         rows_per_program=0, norm_dtype=None, seed=1)
 @example(m=Member(0, 112, 0, 0, torch.float16, False, False, 1e-6, 0, False),
-         rows_per_program=1, seed=2)
+         rows_per_program=1, norm_dtype=None, seed=2)
 @example(m=Member(67, 129, 64, 8, torch.bfloat16, True, False, 0.1, -6, True),
-         rows_per_program=4, seed=3)
-def test_kernel_matches_reference(m: Member, rows_per_program: int, seed: int) -> None:
-    run_and_check(m, rows_per_program, seed)
+         rows_per_program=4, norm_dtype=None, seed=3)
+@example(m=Member(9, 112, 8, 0, torch.float32, False, False, 1e-6, 0, False),
+         rows_per_program=0, norm_dtype=torch.bfloat16, seed=4)
+def test_kernel_matches_reference(m: Member, rows_per_program: int, norm_dtype, seed: int):
+    if m.weight_in_fp32:
+        norm_dtype = None  # norm_dtype is the cast-then-weight form's
+    run_and_check(m, rows_per_program, seed, norm_dtype)
 
 
 def test_norm_dtype_rounds_before_weighting() -> None:
@@ -66,10 +75,6 @@ def test_norm_dtype_rounds_before_weighting() -> None:
     y = torch.empty_like(x)
     launch(x, w, 1e-6, y, norm_dtype=torch.bfloat16)
     assert_on_input_grid(y, w, torch.bfloat16)
-    want = reference.rms_norm(x, w, 1e-6, False, torch.bfloat16)
-    ulps, ulp_dtype = dual_norm_tolerance(torch.bfloat16, torch.float32, False,
-                                          bf16_casts_truncate=INTERPRETED)
-    assert_close_ulps(y, want, ulps, ulp_dtype=ulp_dtype)
     plain = torch.empty_like(x)
     launch(x, w, 1e-6, plain)
     with pytest.raises(AssertionError, match="grid"):
@@ -85,6 +90,8 @@ def test_bad_launch_arguments() -> None:
         launch(x, w, 1e-6, torch.empty_like(x), True, torch.bfloat16)
     with pytest.raises(TypeError, match="norm_dtype"):
         launch(x, w, 1e-6, torch.empty_like(x), False, torch.float64)
+    with pytest.raises(TypeError, match="x must be"):
+        launch(x.double(), w, 1e-6, torch.empty_like(x))
     with pytest.raises(ValueError, match="one device"):
         launch(x, torch.ones(8, device="meta"), 1e-6, torch.empty_like(x))
 
@@ -98,6 +105,42 @@ def test_launch_shape() -> None:
     assert pick_launch_shape(4096, rows_per_program=2, num_warps=8) == (2, 8)
 
 
+# --------------------------------------------------------------- the op
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 112), (0, 112), (1, 112)])
+@pytest.mark.parametrize("weight_in_fp32,norm_dtype", [(False, None), (True, None),
+                                                       (False, torch.bfloat16)])
+def test_op_matches_reference(shape, weight_in_fp32, norm_dtype) -> None:
+    """The op on leading dims, T = 0 and 1, both forms and a norm_dtype (kernel in the
+    interpreter on CPU): the reference's dtype and shape, contiguous, within tolerance."""
+    gen = torch.Generator().manual_seed(len(shape))
+    x_dtype = torch.float32 if norm_dtype is not None else torch.bfloat16
+    x = torch.randn(*shape, generator=gen).to(DEVICE, x_dtype)
+    w = (torch.rand(112, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
+    y = torch.ops.k3fusion.rms_norm(x, w, 1e-6, weight_in_fp32, norm_dtype)
+    want = reference.rms_norm(x, w, 1e-6, weight_in_fp32, norm_dtype)
+    assert y.shape == want.shape and y.dtype == want.dtype and y.is_contiguous()
+    assert_matches_reference(y.view(-1, 112), x.view(-1, 112), w, 1e-6, weight_in_fp32,
+                             norm_dtype=norm_dtype, bf16_casts_truncate=INTERPRETED)
+
+
+def test_op_fake_and_errors() -> None:
+    x = torch.randn(4, 5, 112, dtype=torch.float32, device="meta")
+    w = torch.ones(112, dtype=torch.bfloat16, device="meta")
+    y = torch.ops.k3fusion.rms_norm(x, w, 1e-6, False, torch.bfloat16)
+    assert y.shape == (4, 5, 112) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+    assert torch.ops.k3fusion.rms_norm(x, w.float(), 1e-6, True).dtype == torch.float32
+    with pytest.raises(ValueError, match="cast-then-weight form only"):
+        torch.ops.k3fusion.rms_norm(x, w, 1e-6, True, torch.bfloat16)
+    with pytest.raises(TypeError, match="norm_dtype"):
+        torch.ops.k3fusion.rms_norm(x, w, 1e-6, False, torch.float64)
+    with pytest.raises(ValueError, match="w has 111 elements"):
+        torch.ops.k3fusion.rms_norm(x, w[:111], 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        torch.ops.k3fusion.rms_norm(x, w, -1.0)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("T", [1, 17, 64, 4099])
 @pytest.mark.parametrize("weight_in_fp32", [False, True])
@@ -106,3 +149,19 @@ def test_tail_latent_width_on_gpu(T: int, weight_in_fp32: bool) -> None:
     through a stride (the first 3584 columns of 3600-wide rows)."""
     m = Member(T, 3584, 16, 8, torch.bfloat16, False, weight_in_fp32, 1e-6, 0, T > 1)
     run_and_check(m, 0, seed=T, bf16_casts_truncate=False, device="cuda")
+
+
+@pytest.mark.cuda
+def test_launch_on_the_tensors_device() -> None:
+    """Data on the second GPU while the first is current: the launch runs on the data's
+    device (Triton launches on the current one; the launcher switches to the tensors')."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    m = Member(33, 3584, 0, 0, torch.bfloat16, False, False, 1e-6, 0, False)
+    with torch.cuda.device(0):
+        run_and_check(m, 0, seed=5, bf16_casts_truncate=False, device="cuda:1")
+        x = torch.randn(8, 3584, device="cuda:1", dtype=torch.bfloat16)
+        w = torch.ones(3584, device="cuda:1", dtype=torch.bfloat16)
+        y = torch.ops.k3fusion.rms_norm(x, w, 1e-6)
+        torch.cuda.synchronize(1)
+        assert_matches_reference(y, x, w, 1e-6, False, bf16_casts_truncate=False)

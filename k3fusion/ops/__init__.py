@@ -9,8 +9,8 @@ Every op has
 
 Arguments are validated here, before any launch, with errors that name the argument.
 
-One module per op family: ``dual_rms_norm``, ``attn_res`` (``attn_res_`` and ``attn_res``),
-``latent_moe_tail``; shared argument checks in ``_args``. Importing this package registers
+One module per op family: ``dual_rms_norm``, ``rms_norm``, ``attn_res`` (``attn_res_`` and
+``attn_res``), ``latent_moe_tail``; shared argument checks in ``_args``. Importing this package registers
 every op.
 """
 
@@ -18,6 +18,7 @@ from ._args import check_rms_norm_args
 from .attn_res import attn_res, attn_res_, check_attn_res_args
 from .dual_rms_norm import dual_rms_norm
 from .latent_moe_tail import latent_moe_tail, resolve_group
+from .rms_norm import rms_norm
 
 __all__ = ["check_rms_norm_args", "dual_rms_norm", "attn_res_", "attn_res", "check_attn_res_args",
-           "latent_moe_tail", "resolve_group"]
+           "latent_moe_tail", "resolve_group", "rms_norm"]

@@ -57,8 +57,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, n)
 
 
-def _new_norm_output(x: torch.Tensor, w: torch.Tensor, weight_in_fp32: bool) -> torch.Tensor:
-    dtype = reference.rms_norm_out_dtype(x.dtype, w.dtype, weight_in_fp32)
+def _new_norm_output(x: torch.Tensor, w: torch.Tensor, weight_in_fp32: bool,
+                     norm_dtype: torch.dtype | None = None) -> torch.Tensor:
+    dtype = reference.rms_norm_out_dtype(x.dtype, w.dtype, weight_in_fp32, norm_dtype)
     return x.new_empty(x.shape, dtype=dtype)
 
 

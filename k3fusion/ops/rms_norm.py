@@ -1,0 +1,61 @@
+"""``k3fusion::rms_norm``: one RMSNorm in one launch (the latent-MoE tail's unfused tiers)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import reference
+from ._args import _NORM_DTYPES, _new_norm_output, _rows, check_rms_norm_args
+
+__all__ = ["rms_norm"]
+
+
+def _check(x, w, eps, weight_in_fp32, norm_dtype) -> None:
+    check_rms_norm_args(x, w, eps)
+    if norm_dtype is not None:
+        if norm_dtype not in _NORM_DTYPES:
+            raise TypeError(f"norm_dtype must be float32, bfloat16 or float16, got {norm_dtype}")
+        if weight_in_fp32:
+            raise ValueError("norm_dtype applies to the cast-then-weight form only "
+                             "(weight_in_fp32=False)")
+
+
+@torch.library.custom_op("k3fusion::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_in_fp32: bool = False,
+             norm_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``k3fusion.reference.rms_norm`` in one Triton launch (the fp32 sum of squares in
+    another order than torch's ``mean``: within that rounding of the reference).
+    ``norm_dtype``: cast-then-weight's rounding dtype when it is not ``x``'s."""
+    raise NotImplementedError(f"k3fusion::rms_norm has no kernel for {x.device.type}")
+
+
+@rms_norm.register_fake
+def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
+    _check(x, w, eps, weight_in_fp32, norm_dtype)
+    return _new_norm_output(x, w, weight_in_fp32, norm_dtype)
+
+
+def _rms_norm_impl(x, w, eps, weight_in_fp32, norm_dtype, use_kernel: bool):
+    _check(x, w, eps, weight_in_fp32, norm_dtype)
+    if not use_kernel:
+        # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
+        return reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype).contiguous()
+    from k3fusion.kernels import rms_norm as launch
+
+    y = _new_norm_output(x, w, weight_in_fp32, norm_dtype)
+    launch(_rows(x), w, eps, _rows(y), weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype)
+    return y
+
+
+@rms_norm.register_kernel("cuda")
+def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
+    return _rms_norm_impl(x, w, eps, weight_in_fp32, norm_dtype, True)
+
+
+@rms_norm.register_kernel("cpu")
+def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
+    from k3fusion.kernels._launch import interpreter_enabled
+
+    return _rms_norm_impl(x, w, eps, weight_in_fp32, norm_dtype, interpreter_enabled())
