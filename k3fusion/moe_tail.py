@@ -332,15 +332,17 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.trigger_wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _rms_norm(x, w, eps, weight_in_fp32, norm_dtype):
-    """The unfused tiers' norm of the all-reduced latent. On CUDA, ``k3fusion::rms_norm``:
-    one Triton launch, where the reference's eager sequence is about eight kernels (on the
-    H200 it made the tail at T = 17-64 take ~41 us against default Inductor's ~20); it
-    agrees with the reference within the fp32 sum's order. Under torch.compile (Inductor
-    fuses the norm itself) and on CPU: the reference's ops, bit for bit."""
+def _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype):
+    """The unfused tiers' ``rms_norm(all_reduce(routed))``. On CUDA the norm is
+    ``k3fusion::rms_norm``: one Triton launch, where the reference's eager sequence is
+    about eight kernels (on the H200 it made the tail at T = 17-64 take ~41 us against
+    default Inductor's ~20); it agrees with the reference within the fp32 sum's order.
+    Under torch.compile (Inductor fuses the norm itself) and on CPU: the reference's ops,
+    bit for bit."""
+    x = reference.all_reduce(routed, group)
     if x.is_cuda and not torch.compiler.is_compiling():
-        return torch.ops.k3fusion.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
-    return reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
+        return torch.ops.k3fusion.rms_norm(x, norm_w, eps, weight_in_fp32, norm_dtype)
+    return reference.rms_norm(x, norm_w, eps, weight_in_fp32, norm_dtype)
 
 
 def _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
@@ -348,7 +350,7 @@ def _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_d
     # The reference's op sequence (on CPU bit for bit), the norm as above. cuBLAS's
     # beta-add epilogue instead of the separate add: 4% slower at T = 4096 on the H200,
     # within 0.2 us from 17 to 512 tokens -- not taken.
-    h = _rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32, norm_dtype)
+    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
     return reference.all_reduce(shared, group) + h @ up_w.T
 
 
@@ -377,8 +379,7 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtyp
         with torch.cuda.stream(side):
             shared_sum = _wait(_all_reduce_async(shared, group))
             done.record(side)
-        h = _rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32,
-                      norm_dtype)
+        h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
         up = h @ up_w.T                # overlaps the shared all-reduce
         main.wait_event(done)
         shared_sum.record_stream(main)  # allocated on the side stream, released on main
@@ -386,7 +387,7 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtyp
     # CPU / traced: issue the shared all-reduce first and wait for it only after the GEMM
     # (gloo runs it on its worker threads meanwhile; a trace leaves placement to Inductor).
     pending = _all_reduce_async(shared, group)
-    h = _rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32, norm_dtype)
+    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
     up = h @ up_w.T
     return _wait(pending) + up
 
@@ -394,7 +395,7 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtyp
 def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
                      donate_shared):
     tp, rank = tp_size_and_rank(group)
-    h = _rms_norm(reference.all_reduce(routed, group), norm_w, eps, weight_in_fp32, norm_dtype)
+    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
     hidden = shared.shape[-1]
     shard = hidden // tp
     start = rank * shard

@@ -6,9 +6,13 @@ import functools
 import os
 
 import torch
+import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "check_launchable", "counter_buffer",
-           "on_tensor_device"]
+           "on_tensor_device", "TL_DTYPES"]
+
+#: The Triton dtype of each torch dtype a kernel takes as a constexpr (rounding targets).
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def cdiv(a: int, b: int) -> int:

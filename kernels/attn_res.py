@@ -161,6 +161,16 @@ def _update_prefix(prefix_ptr, delta_ptr, prefix_out_ptr, cols, cmask, HAS_DELTA
 
 
 @triton.jit
+def _source_rows(blocks_row, s, num_blocks, blocks_block_stride, cols, cmask,
+                 EVICTION: tl.constexpr):
+    """Bank rows ``s`` of one token (``[len(s), len(cols)]``; rows from ``num_blocks`` on
+    read as 0). ``EVICTION``: the load's L2 eviction policy ("" for the default)."""
+    return tl.load(blocks_row + s.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
+                   mask=(s < num_blocks)[:, None] & cmask[None, :], other=0.0,
+                   eviction_policy=EVICTION)
+
+
+@triton.jit
 def _store_output(out_ptr, mixed, cmask, out_norm_w_ptr, inv_rms,
                   HAS_OUT_NORM: tl.constexpr, OUT_WEIGHT_IN_FP32: tl.constexpr):
     """Store the rounded mix, or its RMSNorm given the row's ``inv_rms``."""
@@ -255,9 +265,9 @@ def _attn_res_kernel(
     if EARLY_TILE:
         # The first source tile does not depend on the prefix: issued before the prefix
         # load, the two HBM round trips overlap instead of following each other.
-        x_first = tl.load(
-            blocks_row + srcs.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
-            mask=(srcs < num_blocks)[:, None] & cmask[None, :], other=0.0)
+        # It is read once per call too, but was not measured with the loop's hint.
+        x_first = _source_rows(blocks_row, srcs, num_blocks, blocks_block_stride, cols, cmask,
+                               "")
     p = _update_prefix(prefix_ptr + tok * prefix_stride, delta_ptr + tok * delta_stride,
                        prefix_out_ptr + tok * prefix_out_stride, cols, cmask, HAS_DELTA)
     if WRITE_BLOCK:
@@ -287,16 +297,11 @@ def _attn_res_kernel(
         # per tile (a loop without a dot is not pipelined by default).
         for s0 in tl.range(first, num_blocks, SOURCES_PER_TILE, num_stages=LOOP_STAGES):
             s = s0 + srcs
-            x = tl.load(
-                blocks_row + s.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
-                mask=(s < num_blocks)[:, None] & cmask[None, :],
-                other=0.0,
-                # Read once per call: let these lines go first, ahead of the rows this
-                # call writes (H200, with the one-reduction step: 11.04 -> 10.62 us at
-                # T = 128, the same elsewhere). The early tile above is read once too
-                # but was not measured with the hint, so it has none.
-                eviction_policy="evict_first",
-            ).to(tl.float32)
+            # Read once per call: let these lines go first, ahead of the rows this call
+            # writes (H200, with the one-reduction step: 11.04 -> 10.62 us at T = 128, the
+            # same elsewhere).
+            x = _source_rows(blocks_row, s, num_blocks, blocks_block_stride, cols, cmask,
+                             "evict_first").to(tl.float32)
             m, den, acc = _online_step(m, den, acc, x, s, num_blocks, g, H, eps)
         mixed = acc / den
 
@@ -441,10 +446,8 @@ def _attn_res_split_kernel(
     else:
         # Every source's chunk at once: blocks in rows [0, num_blocks), the prefix in
         # row num_blocks, zeros below (they add nothing to any sum).
-        smask = srcs < num_blocks
-        x = tl.load(blocks_ptr + tok * blocks_token_stride
-                    + srcs.to(tl.int64)[:, None] * blocks_block_stride + cols[None, :],
-                    mask=smask[:, None] & cmask[None, :], other=0.0)
+        x = _source_rows(blocks_ptr + tok * blocks_token_stride, srcs, num_blocks,
+                         blocks_block_stride, cols, cmask, "")
         x = tl.where((srcs == num_blocks)[:, None], p[None, :], x).to(tl.float32)
         if PHASE <= 1:
             g = (tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)

@@ -85,7 +85,7 @@ import triton
 import triton.language as tl
 
 from ._fences import fence_gpu
-from ._launch import (_kernels_are_interpreted, cdiv, counter_buffer,
+from ._launch import (TL_DTYPES, _kernels_are_interpreted, cdiv, counter_buffer,
                       interpreter_enabled, on_tensor_device)
 
 __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_fused",
@@ -97,7 +97,6 @@ __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_
 MAX_TOKENS = 64
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -603,7 +602,7 @@ def latent_moe_tail_fused(
         GEMV=cfg.gemv,
         NUM_STAGES=cfg.num_stages,
         WEIGHT_IN_FP32=bool(weight_in_fp32),
-        NORM_DTYPE=_TL_DTYPES[routed_latent.dtype if norm_dtype is None else norm_dtype],
+        NORM_DTYPE=TL_DTYPES[routed_latent.dtype if norm_dtype is None else norm_dtype],
         DOT_IN_FP32=interpreted or up_w.dtype == torch.float32,
         GPU_FENCE=not interpreted,
         num_warps=cfg.num_warps,

@@ -24,11 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, check_launchable, on_tensor_device
+from ._launch import TL_DTYPES, cdiv, check_launchable, on_tensor_device
 
 __all__ = ["rms_norm", "pick_launch_shape"]
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -109,9 +107,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
                          f"and {tuple(y.shape)}")
     if norm_dtype is not None and weight_in_fp32:
         raise ValueError("norm_dtype applies to the cast-then-weight form only")
-    if x.dtype not in _TL_DTYPES:
+    if x.dtype not in TL_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if norm_dtype is not None and norm_dtype not in _TL_DTYPES:
+    if norm_dtype is not None and norm_dtype not in TL_DTYPES:
         raise TypeError(f"norm_dtype must be float32, bfloat16 or float16, got {norm_dtype}")
     round_dtype = x.dtype if norm_dtype is None else norm_dtype
     n_rows, n_cols = x.shape
@@ -122,5 +120,5 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
     _rms_norm_kernel[(cdiv(n_rows, rows),)](
         x, w, y, n_rows, x.stride(0), y.stride(0), n_cols, float(eps),
         BLOCK_COLS=block, ROWS=rows, WEIGHT_IN_FP32=bool(weight_in_fp32),
-        ROUND_DTYPE=_TL_DTYPES[round_dtype], num_warps=warps,
+        ROUND_DTYPE=TL_DTYPES[round_dtype], num_warps=warps,
     )
