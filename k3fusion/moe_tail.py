@@ -1,6 +1,6 @@
 """The latent-MoE tail, tiered: ``all_reduce(shared) + rms_norm(all_reduce(routed)) @ up_w.T``.
 
-The op contract is ``k3fusion.reference.latent_moe_tail`` (``DESIGN.md``, "Op contracts"):
+The op contract is ``k3fusion.reference.latent_moe_tail`` (``docs/ops.md``):
 ``routed_latent [..., L]`` and ``shared [..., H]`` are per-rank partial sums over the
 tensor-parallel group, ``up_w [H, L]`` is replicated. Every tier computes that function;
 they differ in where the up-projection FLOPs and the collectives go:
