@@ -50,6 +50,9 @@ def test_dry_run(tmp_path, capsys) -> None:
             assert len(p["bytes_only"]) == len(sweep.BYTES_ONLY_SHAPES)
     out = capsys.readouterr().out
     assert "selection" in out and out.rstrip().splitlines()[-1].startswith("   48")
+    assert all(p["public_form_us"] is not None for p in points)
+    assert sweep.main(["--tables-from", str(tmp_path / "attn_res_sweep.json")]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == out.rstrip().splitlines()[-1]
 
 
 def test_check_flags_a_wrong_variant(monkeypatch) -> None:

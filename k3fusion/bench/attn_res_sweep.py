@@ -30,7 +30,9 @@ processes that fill the on-disk caches (Triton's and Inductor's FX graph cache) 
 timing, so the timed process only loads them. Results are written after every ``(H, nb)``
 to ``DIR/attn_res_sweep.json`` (a timeout keeps what was done); the end prints the selection
 table the data implies (best shape per ``(H, nb, T)``) and last a per-point table: best
-shape and us, the default's us, Inductor's us, and the ratios.
+shape and us, the default's us, the public kernel's form's us (best row shape of 1-4
+sources per tile and 4-8 warps), Inductor's us, and the ratios; ``--tables-from JSON``
+prints them again from a saved (or partial) run.
 
 ``--dry-run`` runs everything on tiny sizes in Triton's CPU interpreter without timing
 (every candidate, check, the bytes-only kernel, the tables and the JSON): the CPU test
@@ -412,7 +414,7 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
     result = {"bench": "attn_res_sweep", "hiddens": list(hiddens),
               "num_blocks": list(num_blocks), "tokens": list(tokens), "dry_run": dry_run,
               "inductor": inductor, "out_ulps_bound": OUT_ULPS, "points": [],
-              "precompile_errors": {}, "bytes_only": []}
+              "precompile_errors": {}}
     if dry_run:
         import triton
         result.update(date=time.strftime("%Y-%m-%d"), gpu="cpu (interpreter)",
@@ -520,6 +522,12 @@ def summarize(point: dict) -> None:
     best = min(ok, key=ok.get)
     point["best"], point["best_us"] = best, ok[best]
     point["default_us"] = point["variants"][point["default"]].get("us")
+    # The public kernel's form (one program per token, a few sources per tile, online
+    # softmax, 4-8 warps): the reference point, in this repo's row kernel.
+    public = [ok[n] for n, v in point["variants"].items() if n in ok
+              and v["kw"].get("kind") == "row" and v["kw"].get("sources_per_tile", 0) <= 4
+              and v["kw"].get("num_warps") in (4, 8) and v["kw"].get("loop_stages") == 1]
+    point["public_form_us"] = min(public) if public else None
     if point.get("bytes_only"):
         point["bytes_only_best_us"] = min(point["bytes_only"].values())
 
@@ -580,7 +588,7 @@ def selection_table(result: dict) -> str:
 def point_table(result: dict) -> str:
     lines = [f"{result.get('gpu')}, {result.get('date')}, torch {result.get('torch')}, triton "
              f"{result.get('triton')}; us per call (CUDA-graph median)",
-             "    H nb     T best       best  default inductor ind/best def/best floor1"]
+             "    H nb     T best       best  default   public inductor ind/best def/best floor1"]
     for p in result["points"]:
         ratio = (p["inductor_us"] / p["best_us"]) if p.get("inductor_us") and p.get("best_us") \
             else None
@@ -588,6 +596,7 @@ def point_table(result: dict) -> str:
             else None
         lines.append(f"{p['H']:5d} {p['nb']:2d} {p['T']:5d} {p.get('best') or '-':9s}"
                      f"{_fmt(p.get('best_us')):>7s} {_fmt(p.get('default_us')):>8s} "
+                     f"{_fmt(p.get('public_form_us')):>8s} "
                      f"{_fmt(p.get('inductor_us')):>8s} {_fmt(ratio):>8s} {_fmt(dratio):>8s} "
                      f"{_fmt(p.get('bytes_only_best_us')):>6s}"
                      + (f" WRONG: {','.join(p['wrong'])}" if p.get("wrong") else ""))
@@ -606,9 +615,15 @@ def main(argv=None) -> int:
     p.add_argument("--hiddens", type=int, nargs="+", help="override the widths")
     p.add_argument("--num-blocks", type=int, nargs="+", help="override the block counts")
     p.add_argument("--tokens", type=int, nargs="+", help="override the token counts")
+    p.add_argument("--tables-from", type=Path, metavar="JSON",
+                   help="only print the tables of an earlier run's attn_res_sweep.json")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="no new Inductor compiles after this many seconds of the sweep")
     args = p.parse_args(argv)
+    if args.tables_from:
+        result = json.loads(args.tables_from.read_text())
+        print(selection_table(result) + "\n\n" + point_table(result))
+        return 0
     if args.dry_run:
         # Triton reads this when a kernel is decorated: before k3fusion's kernels import.
         if "k3fusion.kernels.attn_res" in sys.modules and \
