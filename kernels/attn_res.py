@@ -29,6 +29,10 @@ the split kernel for a few tokens, the row kernel for more:
   (Taking it from the Gram matrix of the sources instead -- one exchange -- squares the
   unrounded mix, which differs from the spec by the rounding's bias: ~1% under the
   interpreter's truncating casts.)
+  With one chunk covering the row (``chunk >= H``: one program per token) there is
+  nothing to exchange: that form keeps only the arithmetic -- every source, the prefix
+  and the delta loaded at once, one reduction for all logits, a plain softmax -- in one
+  launch everywhere (the interpreter included).
 * **row** (more tokens): one program per token and an online (streaming) softmax over
   sources, each source row read once: the prefix (already in registers) seeds the
   running max ``m``, denominator ``den`` and mix ``acc[H]``; blocks are streamed

@@ -586,19 +586,20 @@ def selection_table(result: dict) -> str:
 
 
 def point_table(result: dict) -> str:
+    """One line per point: best shape and us, the default's, the public form's and
+    Inductor's us, Inductor / best, default / best; at T = 1 the bytes-only floor."""
     lines = [f"{result.get('gpu')}, {result.get('date')}, torch {result.get('torch')}, triton "
              f"{result.get('triton')}; us per call (CUDA-graph median)",
-             "    H nb     T best       best  default   public inductor ind/best def/best floor1"]
+             "    H nb    T best       us  default  public inductor ind/b def/b floor"]
     for p in result["points"]:
-        ratio = (p["inductor_us"] / p["best_us"]) if p.get("inductor_us") and p.get("best_us") \
-            else None
-        dratio = (p["default_us"] / p["best_us"]) if p.get("default_us") and p.get("best_us") \
-            else None
-        lines.append(f"{p['H']:5d} {p['nb']:2d} {p['T']:5d} {p.get('best') or '-':9s}"
-                     f"{_fmt(p.get('best_us')):>7s} {_fmt(p.get('default_us')):>8s} "
-                     f"{_fmt(p.get('public_form_us')):>8s} "
-                     f"{_fmt(p.get('inductor_us')):>8s} {_fmt(ratio):>8s} {_fmt(dratio):>8s} "
-                     f"{_fmt(p.get('bytes_only_best_us')):>6s}"
+        best = p.get("best_us")
+        ind = p["inductor_us"] / best if p.get("inductor_us") and best else None
+        dflt = p["default_us"] / best if p.get("default_us") and best else None
+        lines.append(f"{p['H']:5d} {p['nb']:2d} {p['T']:4d} {p.get('best') or '-':8s}"
+                     f"{_fmt(best):>7s} {_fmt(p.get('default_us')):>7s} "
+                     f"{_fmt(p.get('public_form_us')):>7s} {_fmt(p.get('inductor_us')):>8s} "
+                     f"{_fmt(ind):>5s} {_fmt(dflt):>5s}"
+                     + (f" {p['bytes_only_best_us']:.2f}" if p.get("bytes_only_best_us") else "")
                      + (f" WRONG: {','.join(p['wrong'])}" if p.get("wrong") else ""))
     return "\n".join(lines)
 
