@@ -114,9 +114,8 @@ def candidates(T: int, H: int, nb: int) -> dict[str, dict]:
         for chunk, w in SPLIT_SHAPES:
             if chunk < block_h:
                 add({"kind": "split", "chunk": chunk, "num_warps": w}, max(2, sources))
-    if T <= 512:
-        for w in SOLO_WARPS:
-            add({"kind": "split", "chunk": block_h, "num_warps": w}, max(2, sources))
+    for w in SOLO_WARPS if T <= 512 else SOLO_WARPS[-1:]:
+        add({"kind": "split", "chunk": block_h, "num_warps": w}, max(2, sources))
     tiles = [s for s in ROW_TILES if s <= sources]
     if T <= 128:
         for spt in tiles:
