@@ -29,6 +29,10 @@ the split kernel for a few tokens, the row kernel for more:
   (Taking it from the Gram matrix of the sources instead -- one exchange -- squares the
   unrounded mix, which differs from the spec by the rounding's bias: ~1% under the
   interpreter's truncating casts.)
+  With one chunk covering the row (``chunk >= H``: one program per token) there is
+  nothing to exchange: that form keeps only the arithmetic -- every source, the prefix
+  and the delta loaded at once, one reduction for all logits, a plain softmax -- in one
+  launch everywhere (the interpreter included).
 * **row** (more tokens): one program per token and an online (streaming) softmax over
   sources, each source row read once: the prefix (already in registers) seeds the
   running max ``m``, denominator ``den`` and mix ``acc[H]``; blocks are streamed
@@ -410,14 +414,21 @@ def _attn_res_split_kernel(
     # A token's words: its launch counter, then one record per chunk -- sum(v*g) and
     # sum(v*v) per source, then the chunk's sum of squares of the rounded mix.
     REC: tl.constexpr = 2 * S_PAD + 1
+    # One program per token (CHUNK covers the row): every sum is its own, nothing is
+    # exchanged -- no words, no epoch, one launch in the interpreter too. Its source rows
+    # are loaded first, so they, the prefix and the delta are in flight together.
+    SOLO: tl.constexpr = N_CHUNKS == 1
     token_words = words_ptr + tok * (1 + N_CHUNKS_PAD * REC)
     recs = token_words + 1
     rec = recs + chunk * REC
     ks = tl.arange(0, N_CHUNKS_PAD)
     kmask = ks < N_CHUNKS
     epoch = tl.full([], 0, tl.int32)  # separate launches: no epochs
-    if PHASE == 0:
+    if PHASE == 0 and not SOLO:
         epoch = _launch_epoch(token_words, chunk, N_CHUNKS)
+    if SOLO:
+        x_solo = _source_rows(blocks_ptr + tok * blocks_token_stride, srcs, num_blocks,
+                              blocks_block_stride, cols, cmask, "")
 
     if PHASE >= 2:
         # An earlier launch updated the prefix (prefix_out holds the rounded row).
@@ -440,27 +451,34 @@ def _attn_res_split_kernel(
     if num_blocks == 0:
         # One source: softmax weight exactly 1, no logit (an overflowing row stays exact).
         mixed = p
-        if PHASE <= 1:
+        if PHASE <= 1 and not SOLO:
             _publish(rec + srcs, zeros, epoch, PHASE)
             _publish(rec + S_PAD + srcs, zeros, epoch, PHASE)
     else:
         # Every source's chunk at once: blocks in rows [0, num_blocks), the prefix in
         # row num_blocks, zeros below (they add nothing to any sum).
-        x = _source_rows(blocks_ptr + tok * blocks_token_stride, srcs, num_blocks,
-                         blocks_block_stride, cols, cmask, "")
+        if SOLO:
+            x = x_solo
+        else:
+            x = _source_rows(blocks_ptr + tok * blocks_token_stride, srcs, num_blocks,
+                             blocks_block_stride, cols, cmask, "")
         x = tl.where((srcs == num_blocks)[:, None], p[None, :], x).to(tl.float32)
         if PHASE <= 1:
             g = (tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
                  * tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
             dots, squares = _dots_and_squares(x, g[None, :], 1)
-            _publish(rec + srcs, dots, epoch, PHASE)
-            _publish(rec + S_PAD + srcs, squares, epoch, PHASE)
+            if not SOLO:
+                _publish(rec + srcs, dots, epoch, PHASE)
+                _publish(rec + S_PAD + srcs, squares, epoch, PHASE)
         if PHASE != 1:
-            need = kmask[:, None] & (srcs <= num_blocks)[None, :]
-            ptrs = recs + ks[:, None] * REC + srcs[None, :]
-            # Summed over chunks in chunk order: the same bits whoever arrived first.
-            dots, sumsq = _sum_pair(_collect(ptrs, need, epoch, PHASE),
-                                    _collect(ptrs + S_PAD, need, epoch, PHASE), 0)
+            if SOLO:
+                sumsq = squares  # the whole row's sums: this program's own
+            else:
+                need = kmask[:, None] & (srcs <= num_blocks)[None, :]
+                ptrs = recs + ks[:, None] * REC + srcs[None, :]
+                # Summed over chunks in chunk order: the same bits whoever arrived first.
+                dots, sumsq = _sum_pair(_collect(ptrs, need, epoch, PHASE),
+                                        _collect(ptrs + S_PAD, need, epoch, PHASE), 0)
             logit = tl.rsqrt(sumsq / H + eps) * dots
             logit = tl.where(srcs <= num_blocks, logit, float("-inf"))
             e = tl.exp(logit - tl.max(logit, axis=0))
@@ -471,16 +489,23 @@ def _attn_res_split_kernel(
         if HAS_OUT_NORM:
             # The norm reads the mix rounded to the model dtype (the spec): its sum of
             # squares needs every chunk, hence a second exchange.
-            if PHASE != 3:
+            if SOLO:
+                y = mixed.to(tl.float32)
+                sq = tl.sum(y * y, axis=0)
+            elif PHASE != 3:
                 y = mixed.to(tl.float32)
                 _publish(sq_ptr, tl.sum(y * y, axis=0), epoch, PHASE)
-            if PHASE != 2:
+            if SOLO:
+                _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
+                              out_norm_w_ptr + cols, tl.rsqrt(sq / H + out_eps),
+                              HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
+            elif PHASE != 2:
                 sq = tl.sum(_collect(recs + ks * REC + 2 * S_PAD, kmask, epoch, PHASE), axis=0)
                 _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
                               out_norm_w_ptr + cols, tl.rsqrt(sq / H + out_eps),
                               HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
         else:
-            if PHASE == 0:
+            if PHASE == 0 and not SOLO:
                 _publish(sq_ptr, tl.full([], 0.0, tl.float32), epoch, PHASE)
             _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
                           out_norm_w_ptr + cols, 0.0, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
@@ -673,6 +698,14 @@ def attn_res(
     s_pad = max(2, triton.next_power_of_2(num_blocks + 1))
     token_words = 1 + n_chunks_pad * (2 * s_pad + 1)
     interpreted = prefix.device.type == "cpu" and interpreter_enabled()
+    if n_chunks == 1:
+        # One program per token: no exchange, so no words (any int64 tensor stands in)
+        # and one launch everywhere, the interpreter included.
+        words = counter_buffer("attn_res/solo", prefix.device, 1, torch.int64)
+        _attn_res_split_kernel[(1, T)](*common, words, H, float(eps), float(out_eps),
+                                       CHUNK=shape.chunk, N_CHUNKS=1, N_CHUNKS_PAD=1,
+                                       S_PAD=s_pad, PHASE=0, **flags)
+        return
     split = dict(CHUNK=shape.chunk, N_CHUNKS=n_chunks, N_CHUNKS_PAD=n_chunks_pad, S_PAD=s_pad,
                  **flags)
     if interpreted or split_phases:

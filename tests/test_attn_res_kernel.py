@@ -743,6 +743,58 @@ def test_split_kernel_many_sources() -> None:
 
 
 
+@pytest.mark.parametrize("num_blocks", [0, 1, 3, 8])
+@pytest.mark.parametrize("out_norm", ["none", "cast", "fp32w"])
+def test_split_kernel_one_program_per_token(num_blocks: int, out_norm: str) -> None:
+    """A chunk as wide as the row: one program per token, which exchanges nothing (its
+    constexpr path without words runs in one launch, in the interpreter too) -- against
+    the spec, at widths below, at and past a power of two."""
+    for H, chunk in ((70, 128), (64, 64), (100, 1024)):
+        c = replace(_K3, T=3, H=H, nb_max=9, num_blocks=num_blocks, write_idx=8,
+                    out_norm=out_norm, chunk=chunk)
+        assert pick_launch_shape(c.T, H, num_blocks, **c.shape).chunk >= H
+        run_and_check(c, seed=num_blocks)
+
+
+def test_split_kernel_one_program_per_token_is_one_launch(monkeypatch) -> None:
+    """The one-program form is one launch of PHASE 0 (no separate phases, in the
+    interpreter too); wider rows keep the phased form here."""
+    import importlib
+
+    mod = importlib.import_module("k3fusion.kernels.attn_res")  # the module, not the function
+    phases = []
+    kernel = mod._attn_res_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                phases.append((grid, kw["PHASE"], kw["N_CHUNKS"]))
+                return kernel[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(mod, "_attn_res_split_kernel", Spy())
+    x = make_inputs(_K3, 0)
+    out = torch.empty_like(x.prefix)
+    launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, 1e-6, out, kind="split", chunk=128,
+           out_norm_w=x.out_norm_w)
+    assert phases == [((1, _K3.T), 0, 1)]
+    phases.clear()
+    launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, 1e-6, out, kind="split", chunk=32,
+           out_norm_w=x.out_norm_w)
+    assert [p[1] for p in phases] == [1, 2, 3]
+
+
+def test_split_kernel_one_program_form_compiles_for_hopper() -> None:
+    """The one-program form compiles for sm_90 (the interpreter never builds it) with no
+    exchange left in it: no atomics, no volatile polls."""
+    ptx = hopper_ptx("k3fusion.kernels.attn_res:_attn_res_split_kernel", "the one-program form",
+                     dict(CHUNK=2048, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=16, HAS_DELTA=True,
+                          WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False,
+                          PHASE=0),
+                     pointers={"words_ptr": "*i64"}, num_warps=8)
+    assert "atom" not in ptx and "ld.volatile" not in ptx
+
+
 def test_split_kernel_exchange_compiles_for_hopper() -> None:
     """The one-launch split kernel (its exchanges never run in the interpreter) compiles
     for sm_90 on any machine, and its PTX holds the fence-free exchange: one relaxed

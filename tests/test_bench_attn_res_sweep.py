@@ -1,0 +1,82 @@
+"""The AttnRes sweep benchmark's logic (``k3fusion.bench.attn_res_sweep``) on the CPU: its
+``--dry-run`` builds and checks every candidate launch shape at tiny sizes in Triton's
+interpreter, runs the bytes-only kernel, writes the JSON and prints the tables -- so the one
+GPU run does not crash on a typo. Timing itself needs CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from k3fusion.bench import attn_res_sweep as sweep
+from k3fusion.kernels._launch import _kernels_are_interpreted
+
+
+def test_candidates_cover_the_kernels_forms() -> None:
+    """At decode sizes the split kernel, its one-program form and the row kernel with and
+    without the early tile are all candidates; the default first; the solo form only where
+    its tile fits the register bound; the pipelined shapes only from T = 128."""
+    c = sweep.candidates(1, 2048, 8)
+    names = list(c)
+    assert names[0] == "s1024x4"  # today's default at T = 1
+    assert {"s512x4", "solo8", "r4x16e", "r4x16", "r16x8e"} <= set(names)
+    assert not any("p3" in n for n in names)
+    assert not any(n.startswith("solo") for n in sweep.candidates(1, 7168, 8))
+    assert any(n.startswith("solo") for n in sweep.candidates(1, 7168, 7))
+    big = sweep.candidates(4096, 7168, 8)
+    assert list(big)[0] == "r1x8p3" and not any(n.startswith("s") for n in big)
+    # never more sources per tile than there are sources
+    assert not any(n.startswith(("r2", "r4", "r8", "r16")) for n in sweep.candidates(8, 4096, 0))
+
+
+def test_estimate_fits_one_device_call() -> None:
+    plan = sweep.estimate(sweep.HIDDENS, sweep.NUM_BLOCKS, sweep.TOKENS, True)
+    assert plan["estimated_timing_s"] < 300, plan
+
+
+@pytest.mark.skipif(not _kernels_are_interpreted(), reason="the dry run is the CPU form")
+def test_dry_run(tmp_path, capsys) -> None:
+    assert sweep.main(["--dry-run", "--out", str(tmp_path), "--num-blocks", "0", "5"]) == 0
+    result = json.loads((tmp_path / "attn_res_sweep.json").read_text())
+    points = result["points"]
+    assert len(points) == 4 and result["precompile_errors"] == {}
+    for p in points:
+        assert p["best"] is not None and not p["wrong"], p
+        assert p["default"] in p["variants"] and "inductor_us" in p
+        for name, v in p["variants"].items():
+            assert v["ok"] and "us" in v, (name, v)
+        if p["T"] == 1:
+            assert len(p["bytes_only"]) == len(sweep.BYTES_ONLY_SHAPES)
+    out = capsys.readouterr().out
+    assert "selection" in out and out.rstrip().splitlines()[-1].startswith("   48")
+    assert all(p["public_form_us"] is not None for p in points)
+    assert sweep.main(["--tables-from", str(tmp_path / "attn_res_sweep.json")]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == out.rstrip().splitlines()[-1]
+
+
+def test_check_flags_a_wrong_variant(monkeypatch) -> None:
+    """A candidate that reads one source too few fails the check (so it is never selected)."""
+    import torch
+
+    args = sweep.make_inputs(2, 40, "cpu", seed=3)
+    ref = sweep.reference_step(args, 4)
+    interpreted = _kernels_are_interpreted()
+    good = sweep.check(args, 4, {"kind": "row", "sources_per_tile": 2}, ref,
+                       interpreted=interpreted)
+    assert good["ok"], good
+    real = sweep.launch_step
+    monkeypatch.setattr(sweep, "launch_step",
+                        lambda a, nb, out, kw: real(a, nb - 1, out, kw) if nb else None)
+    bad = sweep.check(args, 4, {"kind": "row", "sources_per_tile": 2}, ref,
+                      interpreted=interpreted)
+    assert not bad["ok"], bad
+    assert torch.isfinite(torch.tensor(bad["out_ulps"]))
+
+
+@pytest.mark.skipif(not _kernels_are_interpreted(), reason="the CPU form of the pool")
+def test_precompile_pool_runs_its_tasks_in_workers() -> None:
+    """The worker pool (spawned processes; what fills the caches before the GPU sweep)
+    runs a task and reports no error; a task past the timeout is reported, not waited on."""
+    errors = sweep.precompile((16,), (1,), (1,), False, 1, device="cpu")
+    assert errors == {}, errors
