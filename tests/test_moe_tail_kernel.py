@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import k3fusion
@@ -293,6 +293,85 @@ def test_normalized_tile_is_formed_as_the_reference_rounds_it(c, seed):
 def test_more_than_16_tokens(tokens, dtype):
     """Up to MAX_TOKENS rows (BLOCK_M 32 and 64), for a raised fused_tail_max_tokens."""
     run_and_check(Case(tokens, 72, 40, dtype, False, False, 1e-6, 0, 8, 0, 0, False), tokens)
+
+
+ROW_TILED = st.fixed_dictionaries({
+    "prenorm": st.sampled_from([None, False, True]),
+    "block_m": st.sampled_from([0, 16, 32]),
+    "m_first": st.booleans(),
+    "split_k": st.sampled_from([0, 1, 3]),
+    "block_n": st.sampled_from([0, 16, 32]),
+    "block_k": st.sampled_from([16, 32]),
+    "swap_ab": st.sampled_from([None, False, True]),
+})
+
+
+@settings(max_examples=12, deadline=None)
+@given(c=cases(tokens=st.sampled_from([1, 5, 16, 17, 40, 70])), opts=ROW_TILED,
+       seed=st.integers(0, 2**31 - 1))
+@example(c=Case(70, 72, 40, torch.bfloat16, False, False, 1e-6, 0, 8, 0, 0, True),
+         opts={"prenorm": True, "block_m": 32, "m_first": False, "split_k": 3,
+               "block_n": 16, "block_k": 16, "swap_ab": None}, seed=11)  # 3 row tiles, split-K
+@example(c=Case(40, 100, 48, torch.bfloat16, False, False, 1e-5, -6, 0, 8, 3, False),
+         opts={"prenorm": False, "block_m": 16, "m_first": True, "split_k": 2,
+               "block_n": 32, "block_k": 32, "swap_ab": True}, seed=12)  # row tiles fastest
+@example(c=Case(5, 129, 17, torch.float16, True, False, 0.0, 6, 1, 1, 0, True),
+         opts={"prenorm": True, "block_m": 0, "m_first": False, "split_k": 5,
+               "block_n": 16, "block_k": 16, "swap_ab": None}, seed=13)  # eps 0, zero row: NaN
+def test_prenorm_and_row_tiles_match_reference(c, opts, seed):
+    """The probe's candidate forms (issue 17): 1/rms from a prologue launch (``prenorm``),
+    T tiled into ``block_m`` row tiles (any T, a third grid dimension, split-K counters per
+    (row tile, column tile)), ``m_first`` grid order -- the spec's normalized tile and the
+    same bound as the default form."""
+    if c.tokens > MAX_TOKENS and not opts["block_m"]:
+        opts = {**opts, "block_m": 32}
+    run_and_check(c, seed, opts)
+
+
+def test_prenorm_split_k_is_deterministic_and_leaves_counters_at_zero():
+    c = Case(40, 150, 70, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
+    opts = {"split_k": 4, "block_n": 16, "block_k": 16, "prenorm": True, "block_m": 16}
+    ys = [run_and_check(c, 3, opts) for _ in range(2)]
+    assert torch.equal(ys[0], ys[1])
+    from k3fusion.kernels import _launch
+
+    locks = [b for k, b in _launch._counter_buffers.items() if k[0] == "moe_tail"]
+    assert locks and all(int(b.abs().sum()) == 0 for b in locks)
+
+
+def test_row_inv_rms_prologue_matches_reference_norm():
+    """The prologue launch's 1/rms, fed through a 0/1 selection up_w, gives the
+    reference's normalized tile (the same check as the default form's prologue)."""
+    c = Case(9, 48, 48, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
+    x, _, w, _ = make_inputs(c, 5)
+    up = torch.eye(48, dtype=torch.bfloat16, device=x.device)
+    s = torch.zeros(9, 48, dtype=torch.bfloat16, device=x.device)
+    y = launch(x, s, w, c.eps, up, prenorm=True, split_k=3, block_k=16)
+    assert_matches_reference(y, x, w, c.eps, False, bf16_casts_truncate=INTERPRETED,
+                             msg="prenorm")
+
+
+@pytest.mark.parametrize("opts, exc, match", [
+    ({"prenorm": True, "scale_after": True}, ValueError, "prenorm=True"),
+    ({"block_m": 8}, ValueError, "block_m=8"),
+    ({"block_m": 24}, ValueError, "power of two"),
+    ({"block_m": True}, TypeError, "block_m must be an int"),
+    ({"prenorm": 1}, TypeError, "prenorm must be a bool"),
+    ({"m_first": "yes"}, TypeError, "m_first must be a bool"),
+])
+def test_row_tiled_option_errors(opts, exc, match):
+    x, s, w, up = make_inputs(Case(4, 32, 16, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0,
+                                   False), 0)
+    with pytest.raises(exc, match=match):
+        launch(x, s, w, 1e-6, up, **opts)
+
+
+def test_more_than_max_tokens_needs_row_tiles():
+    c = Case(MAX_TOKENS + 1, 32, 16, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
+    x, s, w, up = make_inputs(c, 0)
+    with pytest.raises(ValueError, match="more with block_m"):
+        launch(x, s, w, 1e-6, up)
+    run_and_check(c, 0, {"block_m": 64, "block_k": 16})
 
 
 def test_no_tokens():
