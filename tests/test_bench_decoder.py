@@ -198,3 +198,47 @@ def test_k3_width_stack_matches_eager_within_bf16(step, t):
     assert decoder.equivalence_failures(records) == []
     counts = k3fusion.match_counts()
     assert all(counts.get(name, 0) > 0 for name in decoder.expected_sites(model)), counts
+
+
+def test_rank_view_divides_heads_and_expert_widths_only():
+    full, rank = decoder.stack_config(), decoder.stack_config(rank_of=8)
+    assert (rank.num_heads, rank.moe_intermediate_size) == (8, 256)
+    for name in ("hidden_size", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                 "latent_size", "num_experts", "top_k", "num_layers"):
+        assert getattr(rank, name) == getattr(full, name), name
+    assert decoder.rank_view(full, 1) is full
+    with pytest.raises(ValueError, match="does not divide num_heads"):
+        decoder.rank_view(full, 3)
+    with pytest.raises(ValueError, match="rank_of must be an int"):
+        decoder.rank_view(full, 0)
+    # the shards are the model's own TP shards: weights of a rank's stack have the shapes
+    # tp_shard_state_dict cuts a tp=1 stack to (expert widths), heads / 8 in attention
+    from k3fusion.models.kimi_k3 import tp_shard_state_dict
+
+    tiny = decoder.stack_config(1, width="tiny")
+    with torch.device("meta"):
+        from k3fusion.models import KimiK3ForCausalLM
+
+        whole = KimiK3ForCausalLM(tiny).state_dict()
+        one = KimiK3ForCausalLM(decoder.rank_view(tiny, 2)).state_dict()
+    cut = tp_shard_state_dict({k: v for k, v in whole.items()}, 0, 2)
+    for key, value in one.items():
+        if "experts" in key or "down_proj" in key or "up_proj" in key:
+            assert value.shape == cut[key].shape, key
+    assert one["model.layers.0.self_attn.o_proj.weight"].shape[1] * 2 == \
+        whole["model.layers.0.self_attn.o_proj.weight"].shape[1]
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_rank_of_sweep_on_cpu_says_collectives_are_not_timed():
+    backends = {"k3fusion": lambda gm, example_inputs: gm.forward}
+    config = decoder.stack_config(1, width="tiny", num_experts=1, top_k=1)
+    result = decoder.run(tokens=[2], prefill=[], seeds=1, config=config, rank_of=2,
+                         device="cpu", backends=backends, timer=_wall_timer, progress=False)
+    assert result["ok"] and result["config"]["rank_of"] == 2
+    assert result["config"]["heads"] == config.num_heads // 2
+    md = decoder.markdown(result)
+    assert "Per-rank view (2-way TP)" in md and "not timed on one GPU" in md
+    assert decoder._parse(["--rank-of", "8"]).rank_of == 8
+    with pytest.raises(SystemExit):
+        decoder._parse(["--rank-of", "3"])

@@ -1,7 +1,7 @@
 """End-to-end benchmark: a stack of Kimi-K3-width decoder layers (needs CUDA).
 
 ``python -m k3fusion.bench.decoder [--out DIR] [--layers N] [--tokens T ...] [--prefill T ...]
-[--seeds N] [--static] [--quick]``
+[--seeds N] [--static] [--quick] [--rank-of N]``
 
 The stack is :class:`k3fusion.models.KimiK3Model` (embedding, decoder layers, final AttnRes
 and norm; the lm_head is not run) built from the K3 preset, bf16: hidden 7168; MLA with
@@ -48,6 +48,17 @@ results so far are written, and the run exits 1 with the numbers.
 
 Writes ``decoder.json``, ``decoder.md`` and ``decoder.png`` to ``--out``. ``--quick``: 2
 layers, decode T 1 and 32, prefill 512, 2 seeds.
+
+``--rank-of N``: the step as one rank of an N-way tensor-parallel deployment computes it
+(:func:`rank_view`): attention heads ``64 / N`` (the column shards of ``q_b_proj`` and
+``kv_b_proj``, the row shard of ``o_proj``), every routed expert's and the shared expert's
+intermediate width ``2048 / N`` (the model's own TP sharding, ``tp_shard_state_dict``); the
+MLA a-projections (``q_a_proj``, ``kv_a_proj_with_mqa``), the router and the latent
+projections (``down_proj``, ``up_proj``) replicated, full width, as the model holds them
+under TP; the routed experts one token runs at decode (its top 8). Hidden width stays 7168,
+the equivalence rule is the same. The collectives a rank runs (the attention output's
+all-reduce, the MoE tail's all-reduces) are not run and not timed on one GPU: the model is
+built without a process group, so the tail is the tp = 1 function of the rank's partials.
 """
 
 from __future__ import annotations
@@ -99,9 +110,10 @@ def block_size_for(layers: int) -> int:
     return max(1, layers // 2)
 
 
-def stack_config(layers: int = LAYERS, width: str = "k3", **overrides):
+def stack_config(layers: int = LAYERS, width: str = "k3", rank_of: int = 1, **overrides):
     """The benchmarked :class:`KimiK3Config`: ``width="k3"`` (the K3 preset) or ``"tiny"``
-    (the CPU preset, same switches), AttnRes and latent MoE on; ``overrides`` win."""
+    (the CPU preset, same switches), AttnRes and latent MoE on; ``overrides`` win; then
+    ``rank_of`` > 1 cuts it to one rank of that many (:func:`rank_view`)."""
     from k3fusion.models import KimiK3Config
 
     fields = dict(num_layers=layers, attn_res=True, attn_res_block_size=block_size_for(layers),
@@ -115,7 +127,23 @@ def stack_config(layers: int = LAYERS, width: str = "k3", **overrides):
     else:
         raise ValueError(f"width must be 'k3' or 'tiny', got {width!r}")
     fields.update(overrides)
-    return preset(**fields)
+    return rank_view(preset(**fields), rank_of)
+
+
+def rank_view(config, n: int):
+    """``config`` as one rank of an ``n``-way tensor-parallel deployment computes it:
+    ``num_heads / n`` and ``moe_intermediate_size / n`` (routed and shared experts: the
+    model's TP shards), everything else (hidden width, MLA a-projections, router, latent
+    projections, expert count) as is. ValueError unless ``n`` divides both."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"rank_of must be an int >= 1, got {n!r}")
+    if n == 1:
+        return config
+    for name in ("num_heads", "moe_intermediate_size"):
+        if getattr(config, name) % n:
+            raise ValueError(f"rank_of={n} does not divide {name}={getattr(config, name)}")
+    return config.replace(num_heads=config.num_heads // n,
+                          moe_intermediate_size=config.moe_intermediate_size // n)
 
 
 def build_model(config, seed: int, device: torch.device | str):
@@ -339,13 +367,14 @@ def _calls_per_graph(step: str) -> int:
 
 def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
         prefill: Sequence[int] = PREFILL_TOKENS, seeds: int = SEEDS, static: bool = False,
-        *, config=None, device: str | torch.device = "cuda",
+        *, rank_of: int = 1, config=None, device: str | torch.device = "cuda",
         backends: dict[str, str] | None = None, timer: Callable | None = None,
         progress: bool = True) -> dict:
     """The sweep; returns the result (``result["ok"]`` False, and ``result["failure"]``,
     when an equivalence check failed: the sweep stops there).
 
-    ``config`` (default :func:`stack_config` of ``layers``), ``device``, ``backends`` and
+    ``rank_of``: the step as one rank of that many (:func:`rank_view`; applied to
+    ``config`` too when one is given). ``config`` (default :func:`stack_config` of ``layers``), ``device``, ``backends`` and
     ``timer`` (``(fn, arg_sets, calls_per_graph) -> us``, default CUDA-graph replay) are
     there so the sweep can be exercised at tiny width on a CPU.
     """
@@ -353,6 +382,7 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
 
     device = torch.device(device)
     config = stack_config(layers) if config is None else config
+    config = rank_view(config, rank_of)
     backends = dict(BACKENDS if backends is None else backends)
     if timer is None:
         from .timing import cuda_graph_us
@@ -376,7 +406,14 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
                    "latent_size": config.latent_size, "num_experts": config.num_experts,
                    "top_k": config.top_k, "moe_intermediate_size": config.moe_intermediate_size,
                    "num_shared_experts": config.num_shared_experts,
-                   "vocab_size": config.vocab_size, "dtype": str(config.dtype)},
+                   "vocab_size": config.vocab_size, "dtype": str(config.dtype),
+                   "rank_of": rank_of},
+        "rank_note": (None if rank_of == 1 else
+                      f"one rank of a {rank_of}-way tensor-parallel deployment: heads and the "
+                      "routed and shared experts' intermediate width divided by "
+                      f"{rank_of}; MLA a-projections, router and latent down/up projections "
+                      "replicated; collectives (attention output all-reduce, MoE tail "
+                      "all-reduces) not run and not timed on one GPU"),
         "weights_gb": weight_bytes(config) / 1e9,
         "sites": sites,
         "compile_shapes": "static" if static else "auto",
@@ -473,6 +510,8 @@ def markdown(result: dict) -> str:
         f"{result['weights_gb']:.2f} GB of weights. {result['gpu']}, {result['date']}, "
         f"torch {result['torch']}, triton {result['triton']}.",
         "",
+        *([f"**Per-rank view ({c['rank_of']}-way TP)**: {result['rank_note']}.", ""]
+          if c.get("rank_of", 1) > 1 else []),
         "Decode: T sequences of one token (no KV cache); prefill: one sequence of T tokens. "
         "CUDA-graph replay, median us per step. Compile: wall seconds of a shape's first call "
         f"with cold caches ({result['compile_note']}).",
@@ -586,6 +625,9 @@ def _parse(argv) -> argparse.Namespace:
                    help=f"seeds of the equivalence check at each shape ({SEEDS})")
     p.add_argument("--static", action="store_true",
                    help="compile with dynamic=False: a compile per shape (slower)")
+    p.add_argument("--rank-of", type=int, default=1, metavar="N",
+                   help="time the step one rank of an N-way tensor-parallel deployment "
+                        "computes (heads and expert widths / N; collectives not timed)")
     p.add_argument("--quick", action="store_true",
                    help="2 layers, decode T 1 32, prefill 512, 2 seeds (explicit options win)")
     args = p.parse_args(argv)
@@ -596,6 +638,10 @@ def _parse(argv) -> argparse.Namespace:
             setattr(args, key, list(value) if isinstance(value, tuple) else value)
     if args.layers < 1 or args.seeds < 1:
         p.error("--layers and --seeds must be >= 1")
+    try:
+        rank_view(stack_config(1), args.rank_of)
+    except ValueError as e:
+        p.error(f"--rank-of: {e}")
     if any(t < 1 for t in [*args.tokens, *args.prefill]):
         p.error("token counts must be >= 1")
     if not args.tokens and not args.prefill:
@@ -609,7 +655,8 @@ def main(argv=None) -> int:
         raise SystemExit("this benchmark needs a CUDA GPU")
     from .common import write_results
 
-    result = run(args.layers, args.tokens, args.prefill, args.seeds, args.static)
+    result = run(args.layers, args.tokens, args.prefill, args.seeds, args.static,
+                 rank_of=args.rank_of)
     write_results(args.out, "decoder", result, markdown(result), plot)
     if not result["ok"]:
         print("\nFAILED: k3fusion-compiled output is out of the bf16 bound against eager:\n  "
