@@ -85,6 +85,11 @@ import triton
 import triton.language as tl
 
 from ._fences import fence_gpu
+
+try:  # programmatic dependent launch (sm_90+): the prenorm pair's overlap, launch option pdl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: pdl=True is refused at launch
+    gdc_launch_dependents = gdc_wait = None
 from ._launch import (TL_DTYPES, _kernels_are_interpreted, cdiv, counter_buffer,
                       interpreter_enabled, on_tensor_device)
 
@@ -146,7 +151,12 @@ def _moe_tail_kernel(
     GPU_FENCE: tl.constexpr,
     INV_RMS_IN: tl.constexpr = False,  # 1/rms from a prologue launch (_row_inv_rms_kernel)
     M_FIRST: tl.constexpr = False,     # grid (m tiles, SPLIT_K, n tiles): row tiles fastest
+    PDL: tl.constexpr = False,         # launched as the prologue's programmatic dependent
 ):
+    if PDL:
+        # Launched while the prologue launch still runs: wait for it (and, through it, for
+        # everything before it in the stream) before reading any input.
+        gdc_wait()
     # Grid (n tiles, SPLIT_K, m tiles), or with M_FIRST (m tiles, SPLIT_K, n tiles): the
     # programs in flight then share weight columns instead of token rows (large T).
     if M_FIRST:
@@ -172,7 +182,7 @@ def _moe_tail_kernel(
     if INV_RMS_IN:
         # Computed once per row by a prologue launch: no program re-reads the rows for it,
         # so split-K can spread the weight stream over every SM without a prologue each.
-        inv_rms = tl.load(rinv_ptr + rows, mask=row_mask, other=0.0)
+        inv_rms = tl.load(rinv_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     elif not SCALE_AFTER:
         sq = tl.zeros([BLOCK_M, NORM_BLOCK_K], dtype=tl.float32)
         for k0 in tl.range(0, L, NORM_BLOCK_K, num_stages=4):
@@ -291,9 +301,12 @@ def _moe_tail_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _row_inv_rms_kernel(x_ptr, x_stride, rinv_ptr, T, L, eps,
-                        ROWS: tl.constexpr, BLOCK_L: tl.constexpr):
+                        ROWS: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr = False):
     """``rinv[t] = 1 / sqrt(mean(x[t]^2) + eps)`` in fp32 for ``ROWS`` rows per program:
-    the prologue launch of the ``prenorm`` forms (``T x L`` read once, from L2 at decode)."""
+    the prologue launch of the ``prenorm`` forms (``T x L`` read once, from L2 at decode).
+    ``PDL``: let the tail kernel launch now (it waits for this grid before reading)."""
+    if PDL:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < T
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
@@ -337,6 +350,9 @@ class LaunchConfig:
     block_m: int = 0
     #: Row tiles as the fastest grid dimension (programs in flight share weight columns).
     m_first: bool = False
+    #: ``prenorm`` only: launch the tail kernel as the prologue's programmatic dependent
+    #: (sm_90+; no launch gap between the two). The interpreter runs it as plain prenorm.
+    pdl: bool = False
 
 
 _num_sms_cache: dict[int, int] = {}
@@ -445,7 +461,7 @@ def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
 def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
                     num_stages=0, split_k=0, norm_block_k=0, scale_after=None,
                     swap_ab=None, gemv=None, prenorm=None, block_m=0,
-                    m_first=None) -> LaunchConfig:
+                    m_first=None, pdl=None) -> LaunchConfig:
     _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
     _check_option("block_k", block_k, power_of_two=True, low=16, high=1024)
     _check_option("norm_block_k", norm_block_k, power_of_two=True, low=16, high=8192)
@@ -456,6 +472,9 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     if block_m and block_m < 16 and not gemv:
         raise ValueError(f"block_m={block_m}: a tensor-core dot takes >= 16 token rows "
                          "(block_m < 16 needs gemv=True)")
+    if pdl and not prenorm:
+        raise ValueError("pdl=True overlaps the prenorm prologue launch with the tail kernel: "
+                         "it needs prenorm=True")
     if prenorm and scale_after:
         raise ValueError("prenorm=True computes 1/rms in a prologue launch for the spec's "
                          "normalized tile; scale_after=True has no such tile: ask for one")
@@ -488,7 +507,7 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
                         norm_block_k=norm_block_k or auto.norm_block_k,
                         scale_after=auto.scale_after if scale_after is None else scale_after,
                         swap_ab=swap_ab, gemv=auto.gemv, prenorm=bool(prenorm),
-                        block_m=block_m, m_first=bool(m_first))
+                        block_m=block_m, m_first=bool(m_first), pdl=bool(pdl))
 
 
 # ---------------------------------------------------------------------- arguments
@@ -596,6 +615,7 @@ def latent_moe_tail_fused(
     prenorm: bool | None = None,
     block_m: int = 0,
     m_first: bool | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
     launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype.
@@ -603,11 +623,11 @@ def latent_moe_tail_fused(
     Inputs as :func:`check_fused_tail_args` says (validated before launch; never
     modified). Launch options of 0 (``scale_after``, ``swap_ab``, ``gemv``: None) take
     :func:`pick_launch_config`'s choice. ``prenorm``: every row's 1/rms in a prologue
-    launch (two launches). ``block_m``: token rows per program, tiling T (any T then, not
+    launch (two launches; ``pdl``: the second as the first's programmatic dependent). ``block_m``: token rows per program, tiling T (any T then, not
     only up to ``MAX_TOKENS``); ``m_first``: row tiles as the fastest grid dimension.
     """
     for name, flag in (("scale_after", scale_after), ("swap_ab", swap_ab), ("gemv", gemv),
-                       ("prenorm", prenorm), ("m_first", m_first)):
+                       ("prenorm", prenorm), ("m_first", m_first), ("pdl", pdl)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
     if isinstance(block_m, bool) or not isinstance(block_m, int):
@@ -622,7 +642,7 @@ def latent_moe_tail_fused(
     hidden = up_w.shape[0]
     cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
                           block_k, num_warps, num_stages, split_k, norm_block_k, scale_after,
-                          swap_ab, gemv, prenorm, block_m, m_first)
+                          swap_ab, gemv, prenorm, block_m, m_first, pdl)
     out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
         return out
@@ -642,13 +662,17 @@ def latent_moe_tail_fused(
     else:
         ws = lock = sq_ws = out  # never read
     rinv = out  # never read
+    pdl_on = cfg.pdl and not interpreted  # (inline PTX: the interpreter runs plain prenorm)
+    if pdl_on and gdc_wait is None:
+        raise RuntimeError("pdl=True needs a Triton with triton.language.extra.cuda.gdc_wait")
+    pdl_kw = {"launch_pdl": True} if pdl_on else {}
     if cfg.prenorm:
         rinv = torch.empty(tokens, dtype=torch.float32, device=up_w.device)
         rows = 4  # rows per prologue program
         _row_inv_rms_kernel[(cdiv(tokens, rows),)](
             routed_latent, routed_latent.stride(0), rinv, tokens, latent, float(eps),
             ROWS=rows, BLOCK_L=min(1024, max(16, triton.next_power_of_2(latent))),
-            num_warps=4)
+            PDL=pdl_on, num_warps=4)
     grid = (m_tiles, cfg.split_k, tiles) if cfg.m_first else (tiles, cfg.split_k, m_tiles)
     _moe_tail_kernel[grid](
         routed_latent, routed_latent.stride(0),
@@ -676,7 +700,9 @@ def latent_moe_tail_fused(
         GPU_FENCE=not interpreted,
         INV_RMS_IN=cfg.prenorm,
         M_FIRST=cfg.m_first,
+        PDL=pdl_on,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_kw,
     )
     return out

@@ -242,3 +242,26 @@ def test_rank_of_sweep_on_cpu_says_collectives_are_not_timed():
     assert decoder._parse(["--rank-of", "8"]).rank_of == 8
     with pytest.raises(SystemExit):
         decoder._parse(["--rank-of", "3"])
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_profile_bookkeeping_and_amdahl_bound_on_cpu():
+    backends = {"inductor": lambda gm, example_inputs: gm.forward,
+                "k3fusion": lambda gm, example_inputs: gm.forward}
+    profiles = iter([{"kernel_us": 100.0, "own_us": 0.0, "kernels": 30, "top": []},
+                     {"kernel_us": 90.0, "own_us": 20.0, "kernels": 25, "top": []}])
+    config = decoder.stack_config(1, width="tiny", num_experts=1, top_k=1)
+    result = decoder.run(tokens=[2], prefill=[4], seeds=1, config=config, device="cpu",
+                         backends=backends, timer=lambda fn, sets, n: 200.0,
+                         profiler=lambda fn, ids: next(profiles), profile=True,
+                         progress=False)
+    decode, prefill = result["rows"]
+    # chains under default = 100 - (90 - 20) = 30 us; bound = 200 / (200 - 30)
+    assert decode["chains_default_us"] == pytest.approx(30.0)
+    assert decode["amdahl_bound"] == pytest.approx(200 / 170)
+    assert "amdahl_bound" not in prefill  # decode shapes only
+    md = decoder.markdown(result)
+    assert "| 2 | 200.0 | 100.0 | 30 | 90.0 | 20.0 | 30.0 | 1.176x | 1.000x |" in md
+    assert decoder.OWN_KERNELS.match("_moe_tail_kernel") and \
+        not decoder.OWN_KERNELS.match("triton_red_fused_mean_0")
+    assert decoder._parse(["--profile"]).profile

@@ -41,7 +41,7 @@ def test_dry_run_flags_a_wrong_variant(tmp_path, monkeypatch, capsys):
                        "--out", str(tmp_path)]) == 1
     row = json.loads((tmp_path / "moe_tail_probe.json").read_text())["rows"][0]
     assert not row["check"]["kernel"]["ok"] and row["check"]["op"]["ok"]
-    assert "tri:pre_n64_s4" in capsys.readouterr().out.splitlines()[-1]
+    assert "tri:pdl_n64_s4" in capsys.readouterr().out.splitlines()[-1]
 
 
 def test_candidates_cover_the_issue_ranges():
@@ -49,3 +49,10 @@ def test_candidates_cover_the_issue_ranges():
     assert any(o.get("prenorm") and o.get("split_k", 1) > 1 for o in small.values())
     assert large and all(o["block_m"] and o["prenorm"] for o in large.values())
     assert probe.TOKENS == (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096)
+
+
+def test_skip_triton_runs_baselines_only(tmp_path):
+    assert probe.main(["--dry-run", "--tokens", "2", "--skip-triton", "--skip-autotune",
+                       "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "moe_tail_probe.json").read_text())["rows"][0]
+    assert set(row["check"]) == {"norm_addmm", "op", "inductor"}

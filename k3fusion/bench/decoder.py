@@ -1,7 +1,7 @@
 """End-to-end benchmark: a stack of Kimi-K3-width decoder layers (needs CUDA).
 
 ``python -m k3fusion.bench.decoder [--out DIR] [--layers N] [--tokens T ...] [--prefill T ...]
-[--seeds N] [--static] [--quick] [--rank-of N]``
+[--seeds N] [--static] [--quick] [--rank-of N] [--profile]``
 
 The stack is :class:`k3fusion.models.KimiK3Model` (embedding, decoder layers, final AttnRes
 and norm; the lm_head is not run) built from the K3 preset, bf16: hidden 7168; MLA with
@@ -59,6 +59,10 @@ under TP; the routed experts one token runs at decode (its top 8). Hidden width 
 the equivalence rule is the same. The collectives a rank runs (the attention output's
 all-reduce, the MoE tail's all-reduces) are not run and not timed on one GPU: the model is
 built without a process group, so the tail is the tp = 1 function of the rank's partials.
+
+``--profile``: for each decode shape also a kernel-time profile of both compiled variants
+(torch.profiler, 5 steps without a graph) and the Amdahl bound it implies for k3fusion's
+speedup (:func:`amdahl`), as a second table.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ import inspect
 import io
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -342,6 +347,58 @@ class _Progress:
 
 
 # --------------------------------------------------------------------------
+# Kernel-time profile
+# --------------------------------------------------------------------------
+
+#: k3fusion's own Triton kernels (what replaces the fused chains), by launch name.
+OWN_KERNELS = re.compile(r"^_(attn_res|attn_res_split|dual_rms_norm|moe_tail|row_inv_rms|"
+                         r"rms_norm|one_shot_pair)_kernel")
+PROFILE_STEPS = 5
+
+
+def kernel_profile(fn: Callable, ids: torch.Tensor, steps: int = PROFILE_STEPS) -> dict:
+    """Device-kernel time per step of ``fn(ids)`` (torch.profiler, ``steps`` calls without a
+    graph, after one warm call): ``kernel_us`` in all, ``own_us`` in k3fusion's kernels
+    (:data:`OWN_KERNELS`), ``kernels`` launched per step, and the ten largest by time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn(ids)
+        torch.cuda.synchronize()
+    by_name: dict[str, float] = {}
+    count = 0
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+        count += 1
+    total = sum(by_name.values())
+    own = sum(v for k, v in by_name.items() if OWN_KERNELS.match(k))
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    return {"kernel_us": total, "own_us": own, "kernels": count / steps,
+            "top": [[k[:120], v] for k, v in top]}
+
+
+def amdahl(row: dict) -> dict:
+    """The chains' kernel time under default compile, and the bound it puts on k3fusion's
+    speedup: ``chains = default kernel sum - (k3fusion kernel sum - its own kernels)`` (what
+    default compile spends where k3fusion runs its own kernels, assuming the rest is the
+    same kernels in both), ``bound = default step / (default step - chains)``: the step
+    were the chains free."""
+    d, k = row.get("inductor_profile"), row.get("k3fusion_profile")
+    if not d or not k or row.get("inductor_us") is None:
+        return {}
+    chains = d["kernel_us"] - (k["kernel_us"] - k["own_us"])
+    free = row["inductor_us"] - chains
+    return {"chains_default_us": chains,
+            "amdahl_bound": row["inductor_us"] / free if free > 0 else math.inf}
+
+
+# --------------------------------------------------------------------------
 # The sweep
 # --------------------------------------------------------------------------
 
@@ -367,8 +424,9 @@ def _calls_per_graph(step: str) -> int:
 
 def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
         prefill: Sequence[int] = PREFILL_TOKENS, seeds: int = SEEDS, static: bool = False,
-        *, rank_of: int = 1, config=None, device: str | torch.device = "cuda",
-        backends: dict[str, str] | None = None, timer: Callable | None = None,
+        *, rank_of: int = 1, profile: bool = False, config=None,
+        device: str | torch.device = "cuda", backends: dict[str, str] | None = None,
+        timer: Callable | None = None, profiler: Callable | None = None,
         progress: bool = True) -> dict:
     """The sweep; returns the result (``result["ok"]`` False, and ``result["failure"]``,
     when an equivalence check failed: the sweep stops there).
@@ -376,7 +434,9 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
     ``rank_of``: the step as one rank of that many (:func:`rank_view`; applied to
     ``config`` too when one is given). ``config`` (default :func:`stack_config` of ``layers``), ``device``, ``backends`` and
     ``timer`` (``(fn, arg_sets, calls_per_graph) -> us``, default CUDA-graph replay) are
-    there so the sweep can be exercised at tiny width on a CPU.
+    there so the sweep can be exercised at tiny width on a CPU. ``profile``: also a
+    kernel-time profile of each compiled variant per decode shape (``profiler(fn, ids) ->
+    dict``, default :func:`kernel_profile`) and its Amdahl bound (:func:`amdahl`).
     """
     import k3fusion
 
@@ -472,6 +532,11 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
                 bar.show(f"{where}: time {name}")
                 row[f"{name}_us"] = timer(fn, arg_sets, row["calls_per_graph"])
                 bar.advance()
+            if profile and step == "decode":
+                for name, fn in compiled.items():
+                    bar.show(f"{where}: profile {name}")
+                    row[f"{name}_profile"] = (profiler or kernel_profile)(fn, arg_sets[0][0])
+                row.update(amdahl(row))
             if "inductor_us" in row and "k3fusion_us" in row:
                 row["speedup_vs_inductor"] = row["inductor_us"] / row["k3fusion_us"]
             if "k3fusion_us" in row:
@@ -554,6 +619,23 @@ def markdown(result: dict) -> str:
             f"| {_fmt(worst('inductor_max_err'), '.3g')} ({_fmt(worst('inductor_max_ratio'), '.2f')}) "
             f"| {_fmt(worst('k3fusion_rel_diff_vs_eager'), '.2e')} "
             f"| {'yes' if all(r['ok'] for r in recs) else '**NO**'} |")
+    prof = [r for r in result["rows"] if "amdahl_bound" in r]
+    if prof:
+        lines += [
+            "", f"Kernel time per decode step (torch.profiler, {PROFILE_STEPS} steps without a "
+            "graph): all kernels, k3fusion's own; the chains' time under default compile "
+            "(default's kernel sum minus what k3fusion runs outside its own kernels) and the "
+            "speedup bound were they free (default step / (default step - chains)):", "",
+            "| T | default: step | kernel sum | kernels | k3fusion: kernel sum | own kernels "
+            "| chains (default) | bound | measured |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in prof:
+            d, k = r["inductor_profile"], r["k3fusion_profile"]
+            lines.append(
+                f"| {r['T']} | {_fmt(r.get('inductor_us'))} | {_fmt(d['kernel_us'])} "
+                f"| {d['kernels']:.0f} | {_fmt(k['kernel_us'])} | {_fmt(k['own_us'])} "
+                f"| {_fmt(r['chains_default_us'])} | {r['amdahl_bound']:.3f}x "
+                f"| {_fmt(r.get('speedup_vs_inductor'), '.3f')}x |")
     if not result["ok"]:
         lines += ["", "**FAILED: out of bound; the sweep stopped here.**", ""]
         lines += [f"- {line}" for line in result.get("failure", [])]
@@ -628,6 +710,9 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--rank-of", type=int, default=1, metavar="N",
                    help="time the step one rank of an N-way tensor-parallel deployment "
                         "computes (heads and expert widths / N; collectives not timed)")
+    p.add_argument("--profile", action="store_true",
+                   help="also a kernel-time profile of each compiled variant per decode shape "
+                        "and its Amdahl bound")
     p.add_argument("--quick", action="store_true",
                    help="2 layers, decode T 1 32, prefill 512, 2 seeds (explicit options win)")
     args = p.parse_args(argv)
@@ -656,7 +741,7 @@ def main(argv=None) -> int:
     from .common import write_results
 
     result = run(args.layers, args.tokens, args.prefill, args.seeds, args.static,
-                 rank_of=args.rank_of)
+                 rank_of=args.rank_of, profile=args.profile)
     write_results(args.out, "decoder", result, markdown(result), plot)
     if not result["ok"]:
         print("\nFAILED: k3fusion-compiled output is out of the bf16 bound against eager:\n  "
