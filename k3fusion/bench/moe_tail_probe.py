@@ -202,6 +202,20 @@ def _run(args) -> int:
         "op": lambda r, s, w, u, h: torch.ops.k3fusion.latent_moe_tail(r, s, w, EPS, u, None),
     }
 
+    # PDL launches inside a CUDA-graph capture, tried once on their own first: a failed
+    # capture inside the sweep could take later variants with it.
+    pdl_error = None
+    if not dry and not args.skip_triton:
+        try:
+            r, s, w, u, _ = inputs(4)
+            cuda_graph_us(lambda: launch(r, s, w, EPS, u, prenorm=True, pdl=True, split_k=2),
+                          calls_per_graph=2, reps=3)
+        except Exception as e:  # noqa: BLE001 - say why, skip the pdl variants
+            pdl_error = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"PDL under graph capture failed, pdl variants skipped: {pdl_error}",
+                  flush=True)
+            torch.cuda.synchronize()
+
     rows = []
     for t in tokens:
         n_sets = 1 if dry else sets_to_outgrow_l2(nbytes(t))
@@ -240,6 +254,9 @@ def _run(args) -> int:
         if t <= MAX_TOKENS and not args.skip_triton:
             measure("kernel", lambda r, s, w, u, h: launch(r, s, w, EPS, u))
         for label, opts in ({} if args.skip_triton else candidates(t)).items():
+            if opts.get("pdl") and pdl_error:
+                row["errors"][f"tri:{label}"] = f"skipped (PDL preflight: {pdl_error})"
+                continue
             measure(f"tri:{label}",
                     lambda r, s, w, u, h, opts=opts: launch(r, s, w, EPS, u, **opts))
         if not args.skip_inductor:
@@ -260,7 +277,7 @@ def _run(args) -> int:
             torch.cuda.empty_cache()
 
     result = {"probe": "moe_tail_probe", "latent": latent, "hidden": hidden, "dtype": "bfloat16",
-              "eps": EPS, "dry_run": dry, "rows": rows, **_environment(torch, dry)}
+              "eps": EPS, "dry_run": dry, "pdl_preflight_error": pdl_error, "rows": rows, **_environment(torch, dry)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe_tail_probe.json").write_text(json.dumps(result, indent=2))
     print(table(result))
