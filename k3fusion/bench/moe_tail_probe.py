@@ -217,6 +217,16 @@ def _run(args) -> int:
             torch.cuda.synchronize()
 
     rows = []
+    env = _environment(torch, dry)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def write() -> dict:  # after every T: a run cut short still leaves its rows
+        result = {"probe": "moe_tail_probe", "latent": latent, "hidden": hidden,
+                  "dtype": "bfloat16", "eps": EPS, "dry_run": dry,
+                  "pdl_preflight_error": pdl_error, "rows": rows, **env}
+        (args.out / "moe_tail_probe.json").write_text(json.dumps(result, indent=2))
+        return result
+
     for t in tokens:
         n_sets = 1 if dry else sets_to_outgrow_l2(nbytes(t))
         sets = [inputs(t) for _ in range(n_sets)]
@@ -270,16 +280,20 @@ def _run(args) -> int:
         row["elapsed_s"] = time.monotonic() - t_start
         rows.append(row)
         wrong = [k for k, v in row["check"].items() if not v["ok"]]
-        print(f"T={t}: {len(row['us'])} timed, {len(row['errors'])} errors, "
-              f"wrong: {wrong or 'none'} ({row['elapsed_s']:.0f} s)", flush=True)
+        us = row["us"]
+        tri = {k: v for k, v in us.items() if k.startswith("tri:") and k not in wrong}
+        best = min(tri, key=tri.get) if tri else None
+        print(f"T={t}: {len(us)} timed, {len(row['errors'])} errors, wrong: {wrong or 'none'}"
+              + "".join(f", {k} {us[k]:.1f}" for k in ("gemm", "norm_addmm", "op", "kernel",
+                                                       "inductor", "autotune") if k in us)
+              + (f", best {best} {tri[best]:.1f}" if best else "")
+              + f" ({row['elapsed_s']:.0f} s)", flush=True)
         del sets
         if not dry:
             torch.cuda.empty_cache()
+        write()
 
-    result = {"probe": "moe_tail_probe", "latent": latent, "hidden": hidden, "dtype": "bfloat16",
-              "eps": EPS, "dry_run": dry, "pdl_preflight_error": pdl_error, "rows": rows, **_environment(torch, dry)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_tail_probe.json").write_text(json.dumps(result, indent=2))
+    result = write()
     print(table(result))
     bad = [(r["T"], k) for r in rows for k, v in r["check"].items() if not v["ok"]]
     return 1 if dry and (bad or any(r["errors"] for r in rows)) else 0
