@@ -69,8 +69,22 @@ summation order). fp32 inputs always take that path with ``input_precision="ieee
 (torch's fp32 matmul does not use TF32 by default). ``GPU_FENCE`` is off there too
 (programs run one after another; inline PTX does not exist).
 
+**Prologue launch** (constexpr ``INV_RMS_IN``, launch option ``prenorm``; opt-in, being
+measured): every row's ``1/rms`` in a small launch before the kernel
+(``_row_inv_rms_kernel``), which then loads it instead of running its own norm prologue:
+the same normalized tile and roundings, but split-K can spread the weight stream over
+every SM without each program re-reading the rows. ``pdl`` (constexpr ``PDL``) launches
+the kernel as the prologue's programmatic dependent (sm_90+): it waits
+(``griddepcontrol.wait``) at entry, before reading any input.
+
+**Row tiles** (launch option ``block_m``): T tiled into ``block_m``-row tiles, a third grid
+dimension (``M_FIRST``: the fastest one), split-K counters per (row tile, column tile):
+the same kernel as a GEMM with the norm in its prologue and the add in its epilogue, for
+any T (without ``block_m``, T is at most ``MAX_TOKENS``).
+
 Launch options (:class:`LaunchConfig`: ``block_n``, ``block_k``, ``norm_block_k``,
-``num_warps``, ``num_stages``, ``split_k``, ``scale_after``, ``swap_ab``, ``gemv``) default to
+``num_warps``, ``num_stages``, ``split_k``, ``scale_after``, ``swap_ab``, ``gemv``,
+``prenorm``, ``pdl``, ``block_m``, ``m_first``) default to
 :func:`pick_launch_config` (``swap_ab`` also to whether its stages fit); the
 benchmark (``python -m k3fusion.bench.moe_tail --sweep``) times the alternatives.
 """
