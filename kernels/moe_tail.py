@@ -69,8 +69,22 @@ summation order). fp32 inputs always take that path with ``input_precision="ieee
 (torch's fp32 matmul does not use TF32 by default). ``GPU_FENCE`` is off there too
 (programs run one after another; inline PTX does not exist).
 
+**Prologue launch** (constexpr ``INV_RMS_IN``, launch option ``prenorm``; opt-in, being
+measured): every row's ``1/rms`` in a small launch before the kernel
+(``_row_inv_rms_kernel``), which then loads it instead of running its own norm prologue:
+the same normalized tile and roundings, but split-K can spread the weight stream over
+every SM without each program re-reading the rows. ``pdl`` (constexpr ``PDL``) launches
+the kernel as the prologue's programmatic dependent (sm_90+): it waits
+(``griddepcontrol.wait``) at entry, before reading any input.
+
+**Row tiles** (launch option ``block_m``): T tiled into ``block_m``-row tiles, a third grid
+dimension (``M_FIRST``: the fastest one), split-K counters per (row tile, column tile):
+the same kernel as a GEMM with the norm in its prologue and the add in its epilogue, for
+any T (without ``block_m``, T is at most ``MAX_TOKENS``).
+
 Launch options (:class:`LaunchConfig`: ``block_n``, ``block_k``, ``norm_block_k``,
-``num_warps``, ``num_stages``, ``split_k``, ``scale_after``, ``swap_ab``, ``gemv``) default to
+``num_warps``, ``num_stages``, ``split_k``, ``scale_after``, ``swap_ab``, ``gemv``,
+``prenorm``, ``pdl``, ``block_m``, ``m_first``) default to
 :func:`pick_launch_config` (``swap_ab`` also to whether its stages fit); the
 benchmark (``python -m k3fusion.bench.moe_tail --sweep``) times the alternatives.
 """
@@ -85,6 +99,11 @@ import triton
 import triton.language as tl
 
 from ._fences import fence_gpu
+
+try:  # programmatic dependent launch (sm_90+): the prenorm pair's overlap, launch option pdl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: pdl=True is refused at launch
+    gdc_launch_dependents = gdc_wait = None
 from ._launch import (TL_DTYPES, _kernels_are_interpreted, cdiv, counter_buffer,
                       interpreter_enabled, on_tensor_device)
 
@@ -125,7 +144,8 @@ def _moe_tail_kernel(
     y_ptr, y_stride,            # out [T, H]
     ws_ptr,                     # split-K partials [SPLIT_K, T, H] fp32 (unused if SPLIT_K == 1)
     sq_ws_ptr,                  # SCALE_AFTER split-K: sums of squares [tiles, SPLIT_K, BLOCK_M]
-    lock_ptr,                   # split-K arrival counters [>= cdiv(H, BLOCK_N)] int32
+    lock_ptr,                   # split-K arrival counters [>= m tiles * cdiv(H, BLOCK_N)] int32
+    rinv_ptr,                   # INV_RMS_IN: every row's inverse RMS [T] fp32 (else unused)
     T, L, H,
     eps,
     K_PER_SPLIT,                # columns of L per split (a multiple of BLOCK_K)
@@ -143,11 +163,27 @@ def _moe_tail_kernel(
     NORM_DTYPE: tl.constexpr,   # cast-then-weight: the normalized row's dtype
     DOT_IN_FP32: tl.constexpr,
     GPU_FENCE: tl.constexpr,
+    INV_RMS_IN: tl.constexpr = False,  # 1/rms from a prologue launch (_row_inv_rms_kernel)
+    M_FIRST: tl.constexpr = False,     # grid (m tiles, SPLIT_K, n tiles): row tiles fastest
+    PDL: tl.constexpr = False,         # launched as the prologue's programmatic dependent
 ):
-    pid_n = tl.program_id(0)
+    if PDL:
+        # Launched while the prologue launch still runs: wait for it (and, through it, for
+        # everything before it in the stream) before reading any input.
+        gdc_wait()
+    # Grid (n tiles, SPLIT_K, m tiles), or with M_FIRST (m tiles, SPLIT_K, n tiles): the
+    # programs in flight then share weight columns instead of token rows (large T).
+    if M_FIRST:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(2)
+    else:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(2)
     pid_k = tl.program_id(1)
+    n_tiles = tl.cdiv(H, BLOCK_N)
+    tile_id = pid_m * n_tiles + pid_n  # this (row tile, column tile)'s split-K counter
 
-    rows = tl.arange(0, BLOCK_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < T
     # int64 offsets: row * stride overflows int32 for wide rows at large strides.
     rows64 = rows.to(tl.int64)
@@ -157,7 +193,11 @@ def _moe_tail_kernel(
     # Pipelined explicitly: a loop without a dot is not pipelined by default, and every
     # step would then wait a full L2 round trip before the weight stream even starts.
     # SCALE_AFTER skips it: the sums of squares come from the main loop's own tiles.
-    if not SCALE_AFTER:
+    if INV_RMS_IN:
+        # Computed once per row by a prologue launch: no program re-reads the rows for it,
+        # so split-K can spread the weight stream over every SM without a prologue each.
+        inv_rms = tl.load(rinv_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    elif not SCALE_AFTER:
         sq = tl.zeros([BLOCK_M, NORM_BLOCK_K], dtype=tl.float32)
         for k0 in tl.range(0, L, NORM_BLOCK_K, num_stages=4):
             ks = k0 + tl.arange(0, NORM_BLOCK_K)
@@ -248,13 +288,13 @@ def _moe_tail_kernel(
         tile = rows64[:, None] * H + cols[None, :]
         split_stride = SPLIT_STRIDE.to(tl.int64)
         tl.store(ws_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
-        sq_row_ptrs = sq_ws_ptr + (pid_n * SPLIT_K) * BLOCK_M + rows
+        sq_row_ptrs = sq_ws_ptr + (tile_id * SPLIT_K) * BLOCK_M + tl.arange(0, BLOCK_M)
         if SCALE_AFTER:  # this split's part of every row's sum of squares
             tl.store(sq_row_ptrs + pid_k * BLOCK_M, tl.sum(sq_k, axis=1))
         if GPU_FENCE:
             fence_gpu()
         tl.debug_barrier()  # every thread has stored (and fenced) before the one arrival
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last program of this column tile
             if GPU_FENCE:
                 fence_gpu()
@@ -270,7 +310,27 @@ def _moe_tail_kernel(
             if SCALE_AFTER:
                 total = total * _inv_rms(total_sq, row_mask, L, eps)[:, None]
             _store_out(total, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, out_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # next launch
+            tl.atomic_xchg(lock_ptr + tile_id, 0, sem="relaxed", scope="gpu")  # next launch
+
+
+@triton.jit(do_not_specialize=["T"])
+def _row_inv_rms_kernel(x_ptr, x_stride, rinv_ptr, T, L, eps,
+                        ROWS: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr = False):
+    """``rinv[t] = 1 / sqrt(mean(x[t]^2) + eps)`` in fp32 for ``ROWS`` rows per program:
+    the prologue launch of the ``prenorm`` forms (``T x L`` read once, from L2 at decode).
+    ``PDL``: let the tail kernel launch now (it waits for this grid before reading)."""
+    if PDL:
+        gdc_launch_dependents()
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < T
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
+    sq = tl.zeros([ROWS, BLOCK_L], dtype=tl.float32)
+    for k0 in tl.range(0, L, BLOCK_L, num_stages=3):
+        ks = k0 + tl.arange(0, BLOCK_L)
+        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < L)[None, :], other=0.0)
+        x32 = x.to(tl.float32)
+        sq += x32 * x32
+    tl.store(rinv_ptr + rows, _inv_rms(tl.sum(sq, axis=1), row_mask, L, eps), mask=row_mask)
 
 
 # ---------------------------------------------------------------------- launch options
@@ -296,6 +356,17 @@ class LaunchConfig:
     swap_ab: bool = False
     #: Per-token FMAs on CUDA cores instead of a tensor-core dot (``swap_ab`` then False).
     gemv: bool = False
+    #: Every row's 1/rms in a prologue launch (``_row_inv_rms_kernel``) instead of each
+    #: program's own norm prologue; the normalized tile is formed as before (same roundings).
+    prenorm: bool = False
+    #: Token rows per program (0: T padded, one row tile); a third grid dimension of
+    #: ``cdiv(T, block_m)`` row tiles -- the form for T above MAX_TOKENS.
+    block_m: int = 0
+    #: Row tiles as the fastest grid dimension (programs in flight share weight columns).
+    m_first: bool = False
+    #: ``prenorm`` only: launch the tail kernel as the prologue's programmatic dependent
+    #: (sm_90+; no launch gap between the two). The interpreter runs it as plain prenorm.
+    pdl: bool = False
 
 
 _num_sms_cache: dict[int, int] = {}
@@ -403,13 +474,24 @@ def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
 
 def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
                     num_stages=0, split_k=0, norm_block_k=0, scale_after=None,
-                    swap_ab=None, gemv=None) -> LaunchConfig:
+                    swap_ab=None, gemv=None, prenorm=None, block_m=0,
+                    m_first=None, pdl=None) -> LaunchConfig:
     _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
     _check_option("block_k", block_k, power_of_two=True, low=16, high=1024)
     _check_option("norm_block_k", norm_block_k, power_of_two=True, low=16, high=8192)
     _check_option("num_warps", num_warps, power_of_two=True, low=1, high=16)
     _check_option("num_stages", num_stages, low=1, high=8)
     _check_option("split_k", split_k, low=1, high=64)
+    _check_option("block_m", block_m, power_of_two=True, low=1, high=256)
+    if block_m and block_m < 16 and not gemv:
+        raise ValueError(f"block_m={block_m}: a tensor-core dot takes >= 16 token rows "
+                         "(block_m < 16 needs gemv=True)")
+    if pdl and not prenorm:
+        raise ValueError("pdl=True overlaps the prenorm prologue launch with the tail kernel: "
+                         "it needs prenorm=True")
+    if prenorm and scale_after:
+        raise ValueError("prenorm=True computes 1/rms in a prologue launch for the spec's "
+                         "normalized tile; scale_after=True has no such tile: ask for one")
     if swap_ab and gemv:
         raise ValueError("swap_ab=True orders a tensor-core dot's operands; gemv=True has no "
                          "dot: ask for one or the other")
@@ -438,19 +520,20 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
                         num_stages=num_stages, split_k=split,
                         norm_block_k=norm_block_k or auto.norm_block_k,
                         scale_after=auto.scale_after if scale_after is None else scale_after,
-                        swap_ab=swap_ab, gemv=auto.gemv)
+                        swap_ab=swap_ab, gemv=auto.gemv, prenorm=bool(prenorm),
+                        block_m=block_m, m_first=bool(m_first), pdl=bool(pdl))
 
 
 # ---------------------------------------------------------------------- arguments
 
 
 def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32=False,
-                          norm_dtype=None) -> None:
+                          norm_dtype=None, max_tokens: int | None = MAX_TOKENS) -> None:
     """Validate a direct kernel call; TypeError/ValueError naming the argument.
 
     ``routed_latent [T, L]`` and ``shared [T, H]`` (any row strides, last dim contiguous),
     ``norm_w [L]`` contiguous, ``up_w [H, L]`` (any row stride, last dim contiguous),
-    ``0 <= T <= MAX_TOKENS``, one device, and the normed latent's dtype
+    ``0 <= T <= max_tokens`` (None: any T -- the row-tiled ``block_m`` launches), one device, and the normed latent's dtype
     (``rms_norm_out_dtype``) equal to ``up_w``'s and ``shared``'s -- the reference's GEMM
     and add take no mixed dtypes either. Also that the kernel can run on the device
     (RuntimeError otherwise).
@@ -477,9 +560,9 @@ def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp
         raise ValueError("routed_latent rows must not be empty (L = 0)")
     if hidden == 0:
         raise ValueError("up_w has no rows (H = 0)")
-    if tokens > MAX_TOKENS:
+    if max_tokens is not None and tokens > max_tokens:
         raise ValueError(f"routed_latent has T={tokens} rows; the fused tail kernel takes at "
-                         f"most {MAX_TOKENS}")
+                         f"most {max_tokens} (more with block_m: row tiles)")
     if norm_w.shape[0] != latent:
         raise ValueError(f"norm_w has {norm_w.shape[0]} elements but routed_latent rows are "
                          f"{latent} wide")
@@ -543,18 +626,28 @@ def latent_moe_tail_fused(
     swap_ab: bool | None = None,
     gemv: bool | None = None,
     norm_dtype: torch.dtype | None = None,
+    prenorm: bool | None = None,
+    block_m: int = 0,
+    m_first: bool | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
     launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype.
 
     Inputs as :func:`check_fused_tail_args` says (validated before launch; never
     modified). Launch options of 0 (``scale_after``, ``swap_ab``, ``gemv``: None) take
-    :func:`pick_launch_config`'s choice.
+    :func:`pick_launch_config`'s choice. ``prenorm``: every row's 1/rms in a prologue
+    launch (two launches; ``pdl``: the second as the first's programmatic dependent). ``block_m``: token rows per program, tiling T (any T then, not
+    only up to ``MAX_TOKENS``); ``m_first``: row tiles as the fastest grid dimension.
     """
-    for name, flag in (("scale_after", scale_after), ("swap_ab", swap_ab), ("gemv", gemv)):
+    for name, flag in (("scale_after", scale_after), ("swap_ab", swap_ab), ("gemv", gemv),
+                       ("prenorm", prenorm), ("m_first", m_first), ("pdl", pdl)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
-    check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32, norm_dtype)
+    if isinstance(block_m, bool) or not isinstance(block_m, int):
+        raise TypeError(f"block_m must be an int, got {type(block_m).__name__}")
+    check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32, norm_dtype,
+                          max_tokens=None if block_m else MAX_TOKENS)
     if scale_after and up_w.dtype == torch.float16:
         # It rounds the *unnormalized* x * w to up_w's dtype: fp16's range (65504) is
         # not enough for that where the normalized value would fit.
@@ -563,31 +656,45 @@ def latent_moe_tail_fused(
     hidden = up_w.shape[0]
     cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
                           block_k, num_warps, num_stages, split_k, norm_block_k, scale_after,
-                          swap_ab, gemv)
+                          swap_ab, gemv, prenorm, block_m, m_first, pdl)
     out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
         return out
     interpreted = routed_latent.device.type == "cpu"
-    block_m = _block_m(tokens, cfg.gemv)
+    block_m = cfg.block_m or _block_m(tokens, cfg.gemv)
+    m_tiles = cdiv(tokens, block_m)
     tiles = cdiv(hidden, cfg.block_n)
     k_per_split = cdiv(cdiv(latent, cfg.block_k), cfg.split_k) * cfg.block_k
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, tokens, hidden), dtype=torch.float32, device=up_w.device)
         # Every launch leaves the counters at 0 (the last arrival resets its tile's).
-        lock = counter_buffer("moe_tail", up_w.device, tiles, torch.int32)
+        lock = counter_buffer("moe_tail", up_w.device, tiles * m_tiles, torch.int32)
         sq_ws = ws
         if cfg.scale_after:
-            sq_ws = torch.empty((tiles, cfg.split_k, block_m), dtype=torch.float32,
+            sq_ws = torch.empty((m_tiles * tiles, cfg.split_k, block_m), dtype=torch.float32,
                                 device=up_w.device)
     else:
         ws = lock = sq_ws = out  # never read
-    _moe_tail_kernel[(tiles, cfg.split_k)](
+    rinv = out  # never read
+    pdl_on = cfg.pdl and not interpreted  # (inline PTX: the interpreter runs plain prenorm)
+    if pdl_on and gdc_wait is None:
+        raise RuntimeError("pdl=True needs a Triton with triton.language.extra.cuda.gdc_wait")
+    pdl_kw = {"launch_pdl": True} if pdl_on else {}
+    if cfg.prenorm:
+        rinv = torch.empty(tokens, dtype=torch.float32, device=up_w.device)
+        rows = 4  # rows per prologue program
+        _row_inv_rms_kernel[(cdiv(tokens, rows),)](
+            routed_latent, routed_latent.stride(0), rinv, tokens, latent, float(eps),
+            ROWS=rows, BLOCK_L=min(1024, max(16, triton.next_power_of_2(latent))),
+            PDL=pdl_on, num_warps=4)
+    grid = (m_tiles, cfg.split_k, tiles) if cfg.m_first else (tiles, cfg.split_k, m_tiles)
+    _moe_tail_kernel[grid](
         routed_latent, routed_latent.stride(0),
         norm_w,
         up_w, up_w.stride(0),
         shared, shared.stride(0),
         out, out.stride(0),
-        ws, sq_ws, lock,
+        ws, sq_ws, lock, rinv,
         tokens, latent, hidden,
         float(eps),
         k_per_split,
@@ -605,7 +712,11 @@ def latent_moe_tail_fused(
         NORM_DTYPE=TL_DTYPES[routed_latent.dtype if norm_dtype is None else norm_dtype],
         DOT_IN_FP32=interpreted or up_w.dtype == torch.float32,
         GPU_FENCE=not interpreted,
+        INV_RMS_IN=cfg.prenorm,
+        M_FIRST=cfg.m_first,
+        PDL=pdl_on,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_kw,
     )
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ulp", "assert_close_ulps", "dual_norm_tolerance", "FP32_ULPS",
+__all__ = ["ulp", "assert_close_ulps", "dual_norm_tolerance", "FP32_ULPS", "tail_tolerance",
            "latent_tail_exact_and_bound"]
 
 _MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -211,3 +211,82 @@ def latent_tail_exact_and_bound(xs: torch.Tensor, ss: torch.Tensor, norm_w: torc
     bound = ((2 * tp + 8) * unit_roundoff * (ss.abs().sum(0) + carried)
              + latent * 2.0**-24 * (h.abs() @ up.abs().T))
     return s + h @ up.T, bound
+
+
+def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool,
+                   scale_after: bool = False, norm_dtype=None):
+    """``(reference, per-element bound)`` for the kernel's output (float64, on the CPU).
+
+    Kernel: ``K = rnd(y')``, ``y' = s + P'`` -- one rounding of the fp32 sum of the shared
+    value and the fp32-accumulated GEMM ``P'`` of its own normalized tile ``h'``.
+    Reference (the spec): ``R = rne(s + rne(P))`` -- the GEMM output ``P`` of ``h`` is
+    rounded to the output dtype first, then the sum. With ``ulp`` that dtype's spacing,
+
+        |y' - R| <= ulp(R)/2 + E,   E = ulp(rne(P))/2 + |P' - P|
+
+    (the reference's two roundings), where ``|P' - P|`` is at most
+
+    * the normalized tile: ``|h' - h| <= c ulp(h)`` per element, ``c`` the dual-norm
+      kernel's bound for the same formulation (``dual_norm_tolerance``: 0 or 1 ulp on a
+      GPU, where both round to nearest from fp32 values a few fp32 ulps apart; up to 3
+      where the interpreter truncates bf16), carried through the GEMM as
+      ``(c ulp(h)) @ |up_w|^T``;
+    * fp32 accumulation in different orders (the kernel's tile order vs the reference
+      GEMM's; products exact for 16-bit operands, one fp32 rounding each for fp32):
+      ``L 2^-24 (|h| @ |up_w|^T)`` per side, and the kernel's fp32 ``s + acc``: together
+      ``(2L + 1) 2^-24 (|s| + |h| @ |up_w|^T)``.
+
+    The kernel's own rounding: ``|K - y'| <= r ulp(y')`` (``r`` = 1/2 rounding to
+    nearest, 1 where the interpreter truncates bf16), and ``ulp(y') <= 2 max(ulp(R),
+    ulp(|y' - R|)) <= 2 ulp(R) + 2^(1-m) |y' - R|`` (``m`` mantissa bits). So
+
+        |K - R| <= (2r + (1 + d)/2) ulp(R) + (1 + d) E,   d = 2^(1-m) r,
+
+    i.e. about 1.5 output ulps (2.5 truncating) plus half an ulp of the GEMM output: a
+    bf16 rounding of the output explains it; the other terms are ~2^-16 of an output ulp
+    on a GPU, and the tile term is what the interpreter's truncation costs. Measured
+    (interpreter, 1200 random cases): up to ~0.97 of the bound with bf16 inputs (the
+    tile term is nearly attained, as the dual norm's bound is), 0.66 fp16, 0.17 fp32. A
+    missing or doubled shared add, a wrong column, eps, split or weight is off by far
+    more (and the formulation is pinned exactly by the selection-matrix test below).
+
+    ``scale_after`` (the kernel scales its accumulator by ``r = 1/rms`` instead of the GEMM
+    input): its effective tile is ``h' = r * rnd(x * w)`` (``rnd`` to the GEMM dtype), so
+    the tile term becomes a bound on ``|h' - h|`` itself: ``r rho ulp(x w)`` (that
+    rounding) ``+ rho ulp(h)`` (the spec's last rounding) ``+ |w| rho_x ulp(x r)`` (the
+    spec's rounding of the normalized row, cast-then-weight only), ``rho`` = 1/2, or 1 for
+    a truncated bf16 cast -- a couple of 16-bit roundings of each GEMM input element,
+    what "one rounding of the GEMM input apart" means.
+    """
+    # The spec evaluated on the CPU (fp32-accumulated GEMMs; cuBLAS may reduce bf16
+    # partial sums in bf16, which this bound does not cover).
+    from k3fusion import reference
+
+    x, s, w, up = (t.cpu() for t in (x, s, w, up))
+    ref = reference.latent_moe_tail(x, s, w, eps, up, None, weight_in_fp32, norm_dtype)
+    h = reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
+    p = h @ up.T
+    # A norm_dtype cast rounds the normalized row as a norm of that dtype would.
+    c_h, h_ulp_dtype = dual_norm_tolerance(norm_dtype or x.dtype, w.dtype, weight_in_fp32,
+                                           bf16_casts_truncate=truncating)
+    cpu = dict(device="cpu", dtype=torch.float64)
+    up_abs = up.to(**cpu).abs()
+    mag = h.to(**cpu).abs() @ up_abs.T
+    tile = (c_h * ulp(h, h_ulp_dtype)) @ up_abs.T
+    if scale_after:
+        def rho(dtype):
+            return 1.0 if truncating and dtype == torch.bfloat16 else 0.5
+
+        x64, w64, h64 = (t.to(**cpu) for t in (x, w, h))
+        r = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+        d = up.dtype
+        term = r * rho(d) * ulp(x64 * w64, d) + rho(d) * ulp(h64, d)
+        if not weight_in_fp32:
+            term = term + w64.abs() * rho(x.dtype) * ulp(x64 * r, x.dtype)
+        tile = term.nan_to_num(0.0) @ up_abs.T
+    accumulation = (2 * x.shape[-1] + 1) * 2.0**-24 * (mag + s.to(**cpu).abs())
+    e = 0.5 * ulp(p) + tile + accumulation
+    r = 1.0 if truncating and up.dtype == torch.bfloat16 else 0.5
+    d = 2.0 ** (1 - _MANTISSA_BITS[up.dtype]) * r
+    bound = (2 * r + (1 + d) / 2) * ulp(ref) + (1 + d) * e
+    return ref, bound

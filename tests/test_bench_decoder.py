@@ -198,3 +198,70 @@ def test_k3_width_stack_matches_eager_within_bf16(step, t):
     assert decoder.equivalence_failures(records) == []
     counts = k3fusion.match_counts()
     assert all(counts.get(name, 0) > 0 for name in decoder.expected_sites(model)), counts
+
+
+def test_rank_view_divides_heads_and_expert_widths_only():
+    full, rank = decoder.stack_config(), decoder.stack_config(rank_of=8)
+    assert (rank.num_heads, rank.moe_intermediate_size) == (8, 256)
+    for name in ("hidden_size", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                 "latent_size", "num_experts", "top_k", "num_layers"):
+        assert getattr(rank, name) == getattr(full, name), name
+    assert decoder.rank_view(full, 1) is full
+    with pytest.raises(ValueError, match="does not divide num_heads"):
+        decoder.rank_view(full, 3)
+    with pytest.raises(ValueError, match="rank_of must be an int"):
+        decoder.rank_view(full, 0)
+    # the shards are the model's own TP shards: weights of a rank's stack have the shapes
+    # tp_shard_state_dict cuts a tp=1 stack to (expert widths), heads / 8 in attention
+    from k3fusion.models.kimi_k3 import tp_shard_state_dict
+
+    tiny = decoder.stack_config(1, width="tiny")
+    with torch.device("meta"):
+        from k3fusion.models import KimiK3ForCausalLM
+
+        whole = KimiK3ForCausalLM(tiny).state_dict()
+        one = KimiK3ForCausalLM(decoder.rank_view(tiny, 2)).state_dict()
+    cut = tp_shard_state_dict({k: v for k, v in whole.items()}, 0, 2)
+    for key, value in one.items():
+        if "experts" in key or "down_proj" in key or "up_proj" in key:
+            assert value.shape == cut[key].shape, key
+    assert one["model.layers.0.self_attn.o_proj.weight"].shape[1] * 2 == \
+        whole["model.layers.0.self_attn.o_proj.weight"].shape[1]
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_rank_of_sweep_on_cpu_says_collectives_are_not_timed():
+    backends = {"k3fusion": lambda gm, example_inputs: gm.forward}
+    config = decoder.stack_config(1, width="tiny", num_experts=1, top_k=1)
+    result = decoder.run(tokens=[2], prefill=[], seeds=1, config=config, rank_of=2,
+                         device="cpu", backends=backends, timer=_wall_timer, progress=False)
+    assert result["ok"] and result["config"]["rank_of"] == 2
+    assert result["config"]["heads"] == config.num_heads // 2
+    md = decoder.markdown(result)
+    assert "Per-rank view (2-way TP)" in md and "not timed on one GPU" in md
+    assert decoder._parse(["--rank-of", "8"]).rank_of == 8
+    with pytest.raises(SystemExit):
+        decoder._parse(["--rank-of", "3"])
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_profile_bookkeeping_and_amdahl_bound_on_cpu():
+    backends = {"inductor": lambda gm, example_inputs: gm.forward,
+                "k3fusion": lambda gm, example_inputs: gm.forward}
+    profiles = iter([{"kernel_us": 100.0, "own_us": 0.0, "kernels": 30, "top": []},
+                     {"kernel_us": 90.0, "own_us": 20.0, "kernels": 25, "top": []}])
+    config = decoder.stack_config(1, width="tiny", num_experts=1, top_k=1)
+    result = decoder.run(tokens=[2], prefill=[4], seeds=1, config=config, device="cpu",
+                         backends=backends, timer=lambda fn, sets, n: 200.0,
+                         profiler=lambda fn, ids: next(profiles), profile=True,
+                         progress=False)
+    decode, prefill = result["rows"]
+    # chains under default = 100 - (90 - 20) = 30 us; bound = 200 / (200 - 30)
+    assert decode["chains_default_us"] == pytest.approx(30.0)
+    assert decode["amdahl_bound"] == pytest.approx(200 / 170)
+    assert "amdahl_bound" not in prefill  # decode shapes only
+    md = decoder.markdown(result)
+    assert "| 2 | 200.0 | 100.0 | 30 | 90.0 | 20.0 | 30.0 | 1.176x | 1.000x |" in md
+    assert decoder.OWN_KERNELS.match("_moe_tail_kernel") and \
+        not decoder.OWN_KERNELS.match("triton_red_fused_mean_0")
+    assert decoder._parse(["--profile"]).profile

@@ -1,7 +1,7 @@
 """End-to-end benchmark: a stack of Kimi-K3-width decoder layers (needs CUDA).
 
 ``python -m k3fusion.bench.decoder [--out DIR] [--layers N] [--tokens T ...] [--prefill T ...]
-[--seeds N] [--static] [--quick]``
+[--seeds N] [--static] [--quick] [--rank-of N] [--profile]``
 
 The stack is :class:`k3fusion.models.KimiK3Model` (embedding, decoder layers, final AttnRes
 and norm; the lm_head is not run) built from the K3 preset, bf16: hidden 7168; MLA with
@@ -48,6 +48,21 @@ results so far are written, and the run exits 1 with the numbers.
 
 Writes ``decoder.json``, ``decoder.md`` and ``decoder.png`` to ``--out``. ``--quick``: 2
 layers, decode T 1 and 32, prefill 512, 2 seeds.
+
+``--rank-of N``: the step as one rank of an N-way tensor-parallel deployment computes it
+(:func:`rank_view`): attention heads ``64 / N`` (the column shards of ``q_b_proj`` and
+``kv_b_proj``, the row shard of ``o_proj``), every routed expert's and the shared expert's
+intermediate width ``2048 / N`` (the model's own TP sharding, ``tp_shard_state_dict``); the
+MLA a-projections (``q_a_proj``, ``kv_a_proj_with_mqa``), the router and the latent
+projections (``down_proj``, ``up_proj``) replicated, full width, as the model holds them
+under TP; the routed experts one token runs at decode (its top 8). Hidden width stays 7168,
+the equivalence rule is the same. The collectives a rank runs (the attention output's
+all-reduce, the MoE tail's all-reduces) are not run and not timed on one GPU: the model is
+built without a process group, so the tail is the tp = 1 function of the rank's partials.
+
+``--profile``: for each decode shape also a kernel-time profile of both compiled variants
+(torch.profiler, 5 steps without a graph) and the Amdahl bound it implies for k3fusion's
+speedup (:func:`amdahl`), as a second table.
 """
 
 from __future__ import annotations
@@ -58,6 +73,7 @@ import inspect
 import io
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -99,9 +115,10 @@ def block_size_for(layers: int) -> int:
     return max(1, layers // 2)
 
 
-def stack_config(layers: int = LAYERS, width: str = "k3", **overrides):
+def stack_config(layers: int = LAYERS, width: str = "k3", rank_of: int = 1, **overrides):
     """The benchmarked :class:`KimiK3Config`: ``width="k3"`` (the K3 preset) or ``"tiny"``
-    (the CPU preset, same switches), AttnRes and latent MoE on; ``overrides`` win."""
+    (the CPU preset, same switches), AttnRes and latent MoE on; ``overrides`` win; then
+    ``rank_of`` > 1 cuts it to one rank of that many (:func:`rank_view`)."""
     from k3fusion.models import KimiK3Config
 
     fields = dict(num_layers=layers, attn_res=True, attn_res_block_size=block_size_for(layers),
@@ -115,7 +132,23 @@ def stack_config(layers: int = LAYERS, width: str = "k3", **overrides):
     else:
         raise ValueError(f"width must be 'k3' or 'tiny', got {width!r}")
     fields.update(overrides)
-    return preset(**fields)
+    return rank_view(preset(**fields), rank_of)
+
+
+def rank_view(config, n: int):
+    """``config`` as one rank of an ``n``-way tensor-parallel deployment computes it:
+    ``num_heads / n`` and ``moe_intermediate_size / n`` (routed and shared experts: the
+    model's TP shards), everything else (hidden width, MLA a-projections, router, latent
+    projections, expert count) as is. ValueError unless ``n`` divides both."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"rank_of must be an int >= 1, got {n!r}")
+    if n == 1:
+        return config
+    for name in ("num_heads", "moe_intermediate_size"):
+        if getattr(config, name) % n:
+            raise ValueError(f"rank_of={n} does not divide {name}={getattr(config, name)}")
+    return config.replace(num_heads=config.num_heads // n,
+                          moe_intermediate_size=config.moe_intermediate_size // n)
 
 
 def build_model(config, seed: int, device: torch.device | str):
@@ -314,6 +347,58 @@ class _Progress:
 
 
 # --------------------------------------------------------------------------
+# Kernel-time profile
+# --------------------------------------------------------------------------
+
+#: k3fusion's own Triton kernels (what replaces the fused chains), by launch name.
+OWN_KERNELS = re.compile(r"^_(attn_res|attn_res_split|dual_rms_norm|moe_tail|row_inv_rms|"
+                         r"rms_norm|one_shot_pair)_kernel")
+PROFILE_STEPS = 5
+
+
+def kernel_profile(fn: Callable, ids: torch.Tensor, steps: int = PROFILE_STEPS) -> dict:
+    """Device-kernel time per step of ``fn(ids)`` (torch.profiler, ``steps`` calls without a
+    graph, after one warm call): ``kernel_us`` in all, ``own_us`` in k3fusion's kernels
+    (:data:`OWN_KERNELS`), ``kernels`` launched per step, and the ten largest by time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn(ids)
+        torch.cuda.synchronize()
+    by_name: dict[str, float] = {}
+    count = 0
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+        count += 1
+    total = sum(by_name.values())
+    own = sum(v for k, v in by_name.items() if OWN_KERNELS.match(k))
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    return {"kernel_us": total, "own_us": own, "kernels": count / steps,
+            "top": [[k[:120], v] for k, v in top]}
+
+
+def amdahl(row: dict) -> dict:
+    """The chains' kernel time under default compile, and the bound it puts on k3fusion's
+    speedup: ``chains = default kernel sum - (k3fusion kernel sum - its own kernels)`` (what
+    default compile spends where k3fusion runs its own kernels, assuming the rest is the
+    same kernels in both), ``bound = default step / (default step - chains)``: the step
+    were the chains free."""
+    d, k = row.get("inductor_profile"), row.get("k3fusion_profile")
+    if not d or not k or row.get("inductor_us") is None:
+        return {}
+    chains = d["kernel_us"] - (k["kernel_us"] - k["own_us"])
+    free = row["inductor_us"] - chains
+    return {"chains_default_us": chains,
+            "amdahl_bound": row["inductor_us"] / free if free > 0 else math.inf}
+
+
+# --------------------------------------------------------------------------
 # The sweep
 # --------------------------------------------------------------------------
 
@@ -339,20 +424,25 @@ def _calls_per_graph(step: str) -> int:
 
 def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
         prefill: Sequence[int] = PREFILL_TOKENS, seeds: int = SEEDS, static: bool = False,
-        *, config=None, device: str | torch.device = "cuda",
-        backends: dict[str, str] | None = None, timer: Callable | None = None,
+        *, rank_of: int = 1, profile: bool = False, config=None,
+        device: str | torch.device = "cuda", backends: dict[str, str] | None = None,
+        timer: Callable | None = None, profiler: Callable | None = None,
         progress: bool = True) -> dict:
     """The sweep; returns the result (``result["ok"]`` False, and ``result["failure"]``,
     when an equivalence check failed: the sweep stops there).
 
-    ``config`` (default :func:`stack_config` of ``layers``), ``device``, ``backends`` and
+    ``rank_of``: the step as one rank of that many (:func:`rank_view`; applied to
+    ``config`` too when one is given). ``config`` (default :func:`stack_config` of ``layers``), ``device``, ``backends`` and
     ``timer`` (``(fn, arg_sets, calls_per_graph) -> us``, default CUDA-graph replay) are
-    there so the sweep can be exercised at tiny width on a CPU.
+    there so the sweep can be exercised at tiny width on a CPU. ``profile``: also a
+    kernel-time profile of each compiled variant per decode shape (``profiler(fn, ids) ->
+    dict``, default :func:`kernel_profile`) and its Amdahl bound (:func:`amdahl`).
     """
     import k3fusion
 
     device = torch.device(device)
     config = stack_config(layers) if config is None else config
+    config = rank_view(config, rank_of)
     backends = dict(BACKENDS if backends is None else backends)
     if timer is None:
         from .timing import cuda_graph_us
@@ -376,7 +466,14 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
                    "latent_size": config.latent_size, "num_experts": config.num_experts,
                    "top_k": config.top_k, "moe_intermediate_size": config.moe_intermediate_size,
                    "num_shared_experts": config.num_shared_experts,
-                   "vocab_size": config.vocab_size, "dtype": str(config.dtype)},
+                   "vocab_size": config.vocab_size, "dtype": str(config.dtype),
+                   "rank_of": rank_of},
+        "rank_note": (None if rank_of == 1 else
+                      f"one rank of a {rank_of}-way tensor-parallel deployment: heads and the "
+                      "routed and shared experts' intermediate width divided by "
+                      f"{rank_of}; MLA a-projections, router and latent down/up projections "
+                      "replicated; collectives (attention output all-reduce, MoE tail "
+                      "all-reduces) not run and not timed on one GPU"),
         "weights_gb": weight_bytes(config) / 1e9,
         "sites": sites,
         "compile_shapes": "static" if static else "auto",
@@ -435,6 +532,14 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
                 bar.show(f"{where}: time {name}")
                 row[f"{name}_us"] = timer(fn, arg_sets, row["calls_per_graph"])
                 bar.advance()
+            if profile and step == "decode":
+                for name, fn in compiled.items():
+                    bar.show(f"{where}: profile {name}")
+                    try:
+                        row[f"{name}_profile"] = (profiler or kernel_profile)(fn, arg_sets[0][0])
+                    except Exception as e:  # noqa: BLE001 - no profiler there: keep the times
+                        row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                row.update(amdahl(row))
             if "inductor_us" in row and "k3fusion_us" in row:
                 row["speedup_vs_inductor"] = row["inductor_us"] / row["k3fusion_us"]
             if "k3fusion_us" in row:
@@ -473,6 +578,8 @@ def markdown(result: dict) -> str:
         f"{result['weights_gb']:.2f} GB of weights. {result['gpu']}, {result['date']}, "
         f"torch {result['torch']}, triton {result['triton']}.",
         "",
+        *([f"**Per-rank view ({c['rank_of']}-way TP)**: {result['rank_note']}.", ""]
+          if c.get("rank_of", 1) > 1 else []),
         "Decode: T sequences of one token (no KV cache); prefill: one sequence of T tokens. "
         "CUDA-graph replay, median us per step. Compile: wall seconds of a shape's first call "
         f"with cold caches ({result['compile_note']}).",
@@ -515,6 +622,23 @@ def markdown(result: dict) -> str:
             f"| {_fmt(worst('inductor_max_err'), '.3g')} ({_fmt(worst('inductor_max_ratio'), '.2f')}) "
             f"| {_fmt(worst('k3fusion_rel_diff_vs_eager'), '.2e')} "
             f"| {'yes' if all(r['ok'] for r in recs) else '**NO**'} |")
+    prof = [r for r in result["rows"] if "amdahl_bound" in r]
+    if prof:
+        lines += [
+            "", f"Kernel time per decode step (torch.profiler, {PROFILE_STEPS} steps without a "
+            "graph): all kernels, k3fusion's own; the chains' time under default compile "
+            "(default's kernel sum minus what k3fusion runs outside its own kernels) and the "
+            "speedup bound were they free (default step / (default step - chains)):", "",
+            "| T | default: step | kernel sum | kernels | k3fusion: kernel sum | own kernels "
+            "| chains (default) | bound | measured |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in prof:
+            d, k = r["inductor_profile"], r["k3fusion_profile"]
+            lines.append(
+                f"| {r['T']} | {_fmt(r.get('inductor_us'))} | {_fmt(d['kernel_us'])} "
+                f"| {d['kernels']:.0f} | {_fmt(k['kernel_us'])} | {_fmt(k['own_us'])} "
+                f"| {_fmt(r['chains_default_us'])} | {r['amdahl_bound']:.3f}x "
+                f"| {_fmt(r.get('speedup_vs_inductor'), '.3f')}x |")
     if not result["ok"]:
         lines += ["", "**FAILED: out of bound; the sweep stopped here.**", ""]
         lines += [f"- {line}" for line in result.get("failure", [])]
@@ -586,6 +710,12 @@ def _parse(argv) -> argparse.Namespace:
                    help=f"seeds of the equivalence check at each shape ({SEEDS})")
     p.add_argument("--static", action="store_true",
                    help="compile with dynamic=False: a compile per shape (slower)")
+    p.add_argument("--rank-of", type=int, default=1, metavar="N",
+                   help="time the step one rank of an N-way tensor-parallel deployment "
+                        "computes (heads and expert widths / N; collectives not timed)")
+    p.add_argument("--profile", action="store_true",
+                   help="also a kernel-time profile of each compiled variant per decode shape "
+                        "and its Amdahl bound")
     p.add_argument("--quick", action="store_true",
                    help="2 layers, decode T 1 32, prefill 512, 2 seeds (explicit options win)")
     args = p.parse_args(argv)
@@ -596,6 +726,10 @@ def _parse(argv) -> argparse.Namespace:
             setattr(args, key, list(value) if isinstance(value, tuple) else value)
     if args.layers < 1 or args.seeds < 1:
         p.error("--layers and --seeds must be >= 1")
+    try:
+        rank_view(stack_config(1), args.rank_of)
+    except ValueError as e:
+        p.error(f"--rank-of: {e}")
     if any(t < 1 for t in [*args.tokens, *args.prefill]):
         p.error("token counts must be >= 1")
     if not args.tokens and not args.prefill:
@@ -609,7 +743,8 @@ def main(argv=None) -> int:
         raise SystemExit("this benchmark needs a CUDA GPU")
     from .common import write_results
 
-    result = run(args.layers, args.tokens, args.prefill, args.seeds, args.static)
+    result = run(args.layers, args.tokens, args.prefill, args.seeds, args.static,
+                 rank_of=args.rank_of, profile=args.profile)
     write_results(args.out, "decoder", result, markdown(result), plot)
     if not result["ok"]:
         print("\nFAILED: k3fusion-compiled output is out of the bf16 bound against eager:\n  "
