@@ -141,6 +141,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two fresh interpreters
 @pytest.mark.parametrize("way", ["backend", "install"])
 def test_counts_survive_a_cache_hit_in_another_process(way, tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
