@@ -537,6 +537,7 @@ FUSED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FUSED, ids=str)
 def test_site_fused(form):
     m = Site(form)
@@ -746,6 +747,7 @@ def test_rounding_bound_rejects_a_wrong_site():
             assert_within(out, expected, bound, what)
 
 
+@pytest.mark.slow
 def test_tiny_model_dynamic_square_ids_every_site_fused(debug_log):
     # ids [2, 2] under dynamic=True: batch and seq share one symbol (duck sizing), and
     # Inductor reads that size off an intermediate of the first site's chain

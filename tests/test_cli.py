@@ -10,6 +10,7 @@ import torch
 from k3fusion.cli import main
 
 
+@pytest.mark.slow
 def test_main_job_reports_every_fusion_as_json(capsys):
     # One small run of the real job: eager, default torch.compile and backend="k3fusion".
     assert main(["--json", "--dtype", "fp32", "--tokens", "5", "--batch", "1"]) == 0
@@ -62,6 +63,7 @@ def test_help_is_plain_text(capsys):
     assert "0 when every site was fused" in " ".join(out.split())  # exit statuses documented
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, rows", [
     ([], ["qkv_rmsnorm", "attn_res", "attn_res_delta_handoff"]),
     (["--no-attn-res"], ["qkv_rmsnorm"]),

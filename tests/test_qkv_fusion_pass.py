@@ -223,6 +223,7 @@ def test_mixed_formulations(q_style, kv_style):
     _assert_outputs_close(out, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,dtype", [(s, torch.bfloat16) for s in NORM_STYLES]
                          + [("hf", torch.float32)])
 def test_tiny_model_every_layer_fused(style, dtype):
