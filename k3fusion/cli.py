@@ -1,17 +1,21 @@
-"""``python -m k3fusion``: compile the built-in tiny Kimi-K3 three ways and report the fusions.
+"""``python -m k3fusion`` (or ``k3fusion``): compile the built-in tiny Kimi-K3 three ways and
+report the fusions.
 
 Runs the model eagerly, with default ``torch.compile`` and with ``backend="k3fusion"``,
-and prints per fusion: the sites the model has, the matches the pass made, and the max
-error of each compiled run against eager. On CUDA it also times one forward of each
-under CUDA-graph replay. Exits non-zero when a fusion missed a site or an error exceeds
-the rounding bound, so it doubles as a smoke test.
+and prints per fusion the sites the model has and the matches the pass made, then the
+max error of each compiled run against eager (one per compile path). On CUDA it also
+times one forward of each under CUDA-graph replay. Exit status: 0 when every site was
+fused and both errors are within the rounding bound, 1 otherwise, 2 for a usage error.
+Progress goes to stderr, one line per stage (``--quiet`` turns it off).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -21,32 +25,102 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # of the model dtype through a handful of layers (fp32: reassociation only).
 _REL_TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 
+_DESCRIPTION = ("Compile the built-in tiny Kimi-K3 model eagerly, with default torch.compile and "
+                "with backend='k3fusion', and report per fusion the sites and the matches, and "
+                "each compiled run's max error against eager. Exit status: 0 when every site "
+                "was fused and the errors are within bounds, 1 otherwise, 2 for a usage error.")
+
+
+def _prog() -> str:
+    """``k3fusion`` when run as the console script, else ``python -m k3fusion``."""
+    return "k3fusion" if os.path.basename(sys.argv[0] or "") == "k3fusion" else "python -m k3fusion"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``, and only a CUDA device this build and machine have."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the main job runs on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build of torch" if torch.version.cuda is None else "no visible GPU"
+            raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available ({build}, "
+                                             f"torch {torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line on stderr (and exit status 2), not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m k3fusion", description=__doc__.splitlines()[0],
-                                epilog="python -m k3fusion bench [--out DIR] [--only NAMES] runs "
-                                       "the per-op and decoder-stack benchmarks (CUDA).")
+    from k3fusion.models.kimi_k3 import ATTN_RES_BANKS, NORM_STYLES
+
+    prog = _prog()
+    p = _Parser(prog=prog, description=_DESCRIPTION,
+                epilog=f"{prog} bench [--out DIR] [--only NAMES] runs the per-op and "
+                       "decoder-stack benchmarks (CUDA).")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress lines on stderr")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--tokens", type=int, default=16, help="sequence length of the input")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--norm-style", default="hf",
-                   help="RMSNorm formulation of the model (hf, vllm, weight_fp32, square, torch)")
+    p.add_argument("--device", type=_device, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--tokens", type=_positive_int, default=16, help="sequence length of the input")
+    p.add_argument("--batch", type=_positive_int, default=2)
+    p.add_argument("--norm-style", choices=NORM_STYLES, default="hf",
+                   help="RMSNorm formulation of the model (default: hf)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-attn-res", dest="attn_res", action="store_false",
                    help="build the model with plain residuals instead of Block AttnRes")
     p.add_argument("--latent-moe", action="store_true",
                    help="use the normalized latent MoE instead of the dense MLP "
                         "(reports the moe_tail fusion)")
-    p.add_argument("--bank", choices=("list", "tensor"), default="list",
-                   help="how the AttnRes model keeps its completed blocks")
-    p.add_argument("--block-size", type=int, default=1,
-                   help="AttnRes block size in layers (1: a block at every layer)")
+    p.add_argument("--bank", choices=ATTN_RES_BANKS, default=None,
+                   help="how the AttnRes model keeps its completed blocks (default: list)")
+    p.add_argument("--block-size", type=_positive_int, default=None,
+                   help="AttnRes block size in layers (default 1: a block at every layer)")
     args = p.parse_args(argv)
-    if args.tokens < 1 or args.batch < 1:
-        p.error("--tokens and --batch must be >= 1")
+    if not args.attn_res:
+        given = [flag for flag, v in (("--bank", args.bank), ("--block-size", args.block_size))
+                 if v is not None]
+        if given:
+            p.error(f"{' and '.join(given)} {'configure' if len(given) > 1 else 'configures'} "
+                    "Block AttnRes, which --no-attn-res turns off")
+    args.bank = args.bank or "list"
+    args.block_size = args.block_size or 1
     return args
+
+
+class _Progress:
+    """One line per stage on stderr (a compile on CPU takes tens of seconds)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet, self.start = quiet, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        if not self.quiet:
+            print(f"[k3fusion {time.perf_counter() - self.start:5.1f} s] {what}",
+                  file=sys.stderr, flush=True)
 
 
 def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -55,12 +129,12 @@ def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
     import k3fusion
+    from k3fusion.counters import FUSIONS
     from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
+    from k3fusion.models.kimi_k3 import count_latent_moe_layers
 
+    progress = _Progress(getattr(args, "quiet", False))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _DTYPES[args.dtype]
     config = KimiK3Config.tiny(dtype=dtype, norm_style=args.norm_style, attn_res=args.attn_res,
@@ -70,13 +144,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.tokens), generator=gen).to(device)
 
-    # A cache hit skips custom passes, and then nothing would be counted.
-    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
-            functorch_config.patch(enable_autograd_cache=False):
+    # Inductor's caches stay on: a warm run is served from them and its match counts
+    # come back with the cached graph (k3fusion.counters).
+    with torch.no_grad():
+        progress(f"eager forward of the tiny model on {device}, input {list(ids.shape)}")
         eager_out = model(ids)
+        progress("default torch.compile: compiling and running (the first run on a CPU "
+                 "takes up to a minute; later runs hit Inductor's cache)")
         torch._dynamo.reset()
         default = torch.compile(model)
         default_out = default(ids)
+        progress("torch.compile(backend='k3fusion'): compiling and running")
         k3fusion.reset_match_counts()
         torch._dynamo.reset()
         fused = torch.compile(model, backend="k3fusion")
@@ -87,25 +165,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             from k3fusion.bench.timing import cuda_graph_us
 
+            progress("timing eager, inductor and k3fusion under CUDA-graph replay")
             timings = {name: cuda_graph_us(fn, [(ids,)], calls_per_graph=1) / 1e3
                        for name, fn in (("eager", model), ("inductor", default), ("k3fusion", fused))}
+    progress("done")
 
     tol = _REL_TOL[dtype]
-    sites = {"qkv_rmsnorm": model.mla_layers, "attn_res": model.attn_res_sites}
-    from k3fusion.models.kimi_k3 import count_latent_moe_layers
-
-    if count_latent_moe_layers(model):  # one tail per latent-MoE layer
-        sites["moe_tail"] = count_latent_moe_layers(model)
-    if config.attn_res:  # each layer's closing prefix + mlp_out, folded into the next site
-        sites["attn_res_delta_handoff"] = config.num_layers
-    fusions = [{"fusion": name, "sites": n, "matches": counts.get(name, 0)}
-               for name, n in sites.items()]
+    # A row for each fusion the model has sites for (a model without AttnRes has no
+    # attn_res row, a dense one no moe_tail row).
+    sites = {"qkv_rmsnorm": model.mla_layers, "attn_res": model.attn_res_sites,
+             # each layer's closing prefix + mlp_out, folded into the next site
+             "attn_res_delta_handoff": config.num_layers if config.attn_res else 0,
+             "moe_tail": count_latent_moe_layers(model)}  # one tail per latent-MoE layer
+    fusions = [{"fusion": name, "sites": sites[name], "matches": counts[name]}
+               for name in FUSIONS if sites[name]]
     errors = {"inductor": _max_rel_err(default_out, eager_out),
               "k3fusion": _max_rel_err(fused_out, eager_out)}
     ok = all(f["matches"] == f["sites"] for f in fusions) and all(e <= tol for e in errors.values())
+    features = [f"attn_res {args.bank} bank" if args.attn_res else "plain residuals"]
+    if args.attn_res and args.block_size != 1:
+        features.append(f"block size {args.block_size}")
+    if args.latent_moe:
+        features.append("latent MoE")
     return {
-        "model": (f"KimiK3ForCausalLM(tiny{', attn_res ' + args.bank + ' bank' if args.attn_res else ''}"
-                  f"{', latent MoE' if args.latent_moe else ''})"),
+        "model": f"KimiK3ForCausalLM(tiny, {', '.join(features)})",
         "device": str(device), "dtype": args.dtype,
         "norm_style": args.norm_style, "input_shape": list(ids.shape),
         "torch": torch.__version__, "k3fusion": k3fusion.__version__,
@@ -126,7 +209,14 @@ def _print_table(report: dict[str, Any]) -> None:
     if report["cuda_graph_ms"]:
         t = report["cuda_graph_ms"]
         print("CUDA-graph replay, median ms: " + ", ".join(f"{k} {v:.4f}" for k, v in t.items()))
-    print("OK" if report["ok"] else "FAILED: a site was not fused or an error is out of bounds")
+    if report["ok"]:
+        print("OK")
+    else:
+        missed = [f["fusion"] for f in report["fusions"] if f["matches"] != f["sites"]]
+        over = [k for k, e in errs.items() if e > report["tolerance"]]
+        print("FAILED: " + "; ".join(
+            ([f"not every site fused ({', '.join(missed)})"] if missed else [])
+            + ([f"error above the bound ({', '.join(over)})"] if over else [])))
 
 
 #: ``python -m k3fusion bench`` runs these, in this order: {name: module under k3fusion.bench}.
@@ -146,9 +236,8 @@ def _bench_names(text: str) -> list[str]:
 
 
 def _parse_bench(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m k3fusion bench",
-                                description="run the per-op benchmarks and the decoder-stack "
-                                            "benchmark (CUDA)")
+    p = _Parser(prog=f"{_prog()} bench",
+                description="run the per-op benchmarks and the decoder-stack benchmark (CUDA)")
     p.add_argument("--out", default="bench-out", help="folder for JSON, markdown and plots")
     p.add_argument("--only", type=_bench_names, default=list(BENCHES), metavar="NAMES",
                    help=f"comma-separated subset of {','.join(BENCHES)} (default: all)")
@@ -167,7 +256,7 @@ def bench(argv: list[str]) -> int:
 
     args = _parse_bench(argv)
     if not torch.cuda.is_available():
-        print("python -m k3fusion bench needs a CUDA GPU (none is visible here); "
+        print(f"{_prog()} bench needs a CUDA GPU (none is visible here); "
               "see docs/benchmarks.md for results measured on an H200", file=sys.stderr)
         return 2
     outcome: dict[str, str] = {}

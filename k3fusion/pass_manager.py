@@ -35,7 +35,8 @@ def _source_digest() -> str:
 
     files = sorted(Path(patterns.__file__).parent.glob("*.py"))
     root = Path(k3fusion.__file__).parent
-    files += [root / name for name in ("pass_manager.py", "reference.py", "config.py")]
+    files += [root / name
+              for name in ("pass_manager.py", "reference.py", "config.py", "counters.py")]
     files += sorted((root / "ops").glob("*.py"))
     h = hashlib.sha256()
     for f in files:
@@ -82,6 +83,8 @@ class K3FusionPass(CustomGraphPass):
         left = [(m, "qkv_rmsnorm is disabled (K3FUSION_QKV_RMSNORM=0)") for m in norms]
         if config.qkv_rmsnorm:
             counts[QKV], left = fuse_qkv_rmsnorm(graph, norms)
+        # Recorded in torch's inductor counters, which Inductor saves with a cached graph
+        # and replays on a cache hit (k3fusion.counters).
         for name, n in counts.items():
             record_matches(name, n)
         graph.lint()

@@ -187,6 +187,7 @@ def assert_matches_eager(model, run, ids: torch.Tensor, *, kernel: bool = True) 
 # ----------------------------------------------------------------------------- compiled
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_state")
 @pytest.mark.parametrize("bank,layers,block_size,shape,patched", [
     ("list", 2, 1, (1, 1), False),
@@ -219,6 +220,7 @@ def compiled_cache():
     return {}
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_state")
 @settings(compile_settings, max_examples=2)
 @example(seed=3, batch=3, seq=5)
@@ -318,6 +320,7 @@ def test_closing_add_in_fp32_is_not_a_handoff():
     assert be.compiles == 1
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_state")
 def test_one_layer_alone_counts_no_handoff():
     """A graph cut inside the stack: one layer (starting no block) compiled alone. Its
@@ -358,6 +361,7 @@ class CountResidualAdds(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@pytest.mark.slow
 @settings(max_examples=FEW)
 @example(bank="tensor", layers=3, block_size=1, seed=0, batch=1, seq=1)
 @example(bank="list", layers=3, block_size=2, seed=1, batch=1, seq=7)
@@ -383,6 +387,7 @@ def test_handoff_loop_is_the_reference_math(bank, layers, block_size, seed, batc
         assert torch.equal(*banks)
 
 
+@pytest.mark.slow
 @settings(max_examples=max(1, FEW // 2))  # each example patches and deep-copies a model
 @example(bank="tensor", layers=3, block_size=1, seed=0, batch=1, seq=1)
 @example(bank="list", layers=3, block_size=2, seed=1, batch=3, seq=5)
@@ -412,6 +417,7 @@ def test_patched_model_hands_off_and_matches_unpatched(bank, layers, block_size,
     assert_matches_eager(model, patched, ids, kernel=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bank", ["list", "tensor"])
 def test_patched_model_hands_off_through_the_kernel(bank):
     """The same through the Triton kernel (its interpreter on CPU: one small example)."""

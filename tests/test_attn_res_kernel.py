@@ -403,6 +403,7 @@ _K3 = Case(T=5, H=96, nb_max=9, num_blocks=8, write_idx=-1, dtype=torch.bfloat16
            eps=1e-6, out_eps=1e-6, log2_scale=0, sources_per_tile=0)
 
 
+@pytest.mark.slow
 @given(c=cases(), seed=st.integers(0, 2**31 - 1))
 @example(c=_K3, seed=0)
 @example(c=replace(_K3, nb_max=10, write_idx=8, sources_per_tile=4, T=3), seed=1)
@@ -608,6 +609,7 @@ def exact_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((bits(a) == bits(b)).double().mean()) if a.numel() else 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_norm", ["none", "cast", "fp32w"])
 @pytest.mark.parametrize("shape", [{"sources_per_tile": 1}, {"sources_per_tile": 4}, {"chunk": 32}],
@@ -795,6 +797,7 @@ def test_split_kernel_one_program_form_compiles_for_hopper() -> None:
     assert "atom" not in ptx and "ld.volatile" not in ptx
 
 
+@pytest.mark.slow
 def test_split_kernel_exchange_compiles_for_hopper() -> None:
     """The one-launch split kernel (its exchanges never run in the interpreter) compiles
     for sm_90 on any machine, and its PTX holds the fence-free exchange: one relaxed

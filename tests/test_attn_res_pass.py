@@ -537,6 +537,7 @@ FUSED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FUSED, ids=str)
 def test_site_fused(form):
     m = Site(form)
@@ -655,7 +656,7 @@ def test_disabled_by_config(debug_log):
     k3fusion.set_config(attn_res=False, debug=True)
     form = Form("list", 2, delta=True, out_norm=True)
     expected, _, out, _, _, be = run_site(Site(form), make_inputs(form))
-    assert "attn_res" not in k3fusion.match_counts()
+    assert k3fusion.match_counts()["attn_res"] == 0
     assert_untouched(be)
     assert not not_fused_reasons(debug_log)  # nothing tried, nothing to explain
     for a, b in zip(out, expected):
@@ -746,6 +747,7 @@ def test_rounding_bound_rejects_a_wrong_site():
             assert_within(out, expected, bound, what)
 
 
+@pytest.mark.slow
 def test_tiny_model_dynamic_square_ids_every_site_fused(debug_log):
     # ids [2, 2] under dynamic=True: batch and seq share one symbol (duck sizing), and
     # Inductor reads that size off an intermediate of the first site's chain

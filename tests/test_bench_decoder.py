@@ -74,6 +74,7 @@ def test_build_model_is_seeded_and_leaves_the_global_rng_alone():
                            c["model.layers.0.self_attn.q_a_proj.weight"])
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_state")
 def test_equivalence_passes_for_the_k3fusion_compile_on_cpu():
     cfg = _tiny(1)
@@ -110,6 +111,7 @@ def _wall_timer(fn, arg_sets, calls_per_graph):
     return (time.perf_counter() - start) / len(arg_sets) * 1e6
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_state")
 def test_sweep_on_cpu_writes_table_json_and_plot(tmp_path):
     from k3fusion.bench.common import write_results

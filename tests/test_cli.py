@@ -10,10 +10,16 @@ import torch
 from k3fusion.cli import main
 
 
+@pytest.mark.slow
 def test_main_job_reports_every_fusion_as_json(capsys):
     # One small run of the real job: eager, default torch.compile and backend="k3fusion".
     assert main(["--json", "--dtype", "fp32", "--tokens", "5", "--batch", "1"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout is the JSON alone; progress is on stderr
+    stages = captured.err.splitlines()
+    assert [line.split("] ")[1].split(":")[0] for line in stages] == [
+        "eager forward of the tiny model on cpu, input [1, 5]", "default torch.compile",
+        "torch.compile(backend='k3fusion')", "done"]
     fusions = {f["fusion"]: f for f in report["fusions"]}
     assert set(fusions) == {"qkv_rmsnorm", "attn_res", "attn_res_delta_handoff"}
     assert all(f["matches"] == f["sites"] > 0 for f in fusions.values())
@@ -21,11 +27,62 @@ def test_main_job_reports_every_fusion_as_json(capsys):
     assert report["ok"] and report["max_rel_err_vs_eager"]["k3fusion"] <= report["tolerance"]
 
 
-@pytest.mark.parametrize("bad", [["--tokens", "0"], ["--batch", "0"], ["--dtype", "fp64"]])
-def test_main_job_rejects_bad_arguments(bad):
+@pytest.mark.parametrize("bad, says", [
+    (["--tokens", "0"], "--tokens: must be >= 1"), (["--batch", "0"], "--batch: must be >= 1"),
+    (["--tokens", "x"], "--tokens: expected an integer"), (["--dtype", "fp64"], "invalid choice"),
+    (["--norm-style", "bogus"], "--norm-style: invalid choice: 'bogus' (choose from 'hf'"),
+    (["--bank", "dict"], "--bank: invalid choice"), (["--block-size", "0"], "must be >= 1, got 0"),
+    (["--device", "tpu"], "not a device: 'tpu'"), (["--device", "mps"], "runs on cpu or cuda"),
+    (["--no-attn-res", "--bank", "tensor"], "--bank configures Block AttnRes"),
+    (["--no-attn-res", "--block-size", "2"], "--block-size configures Block AttnRes"),
+])
+def test_main_job_rejects_bad_arguments_in_one_line(bad, says, capsys):
     with pytest.raises(SystemExit) as e:
         main(bad)
+    assert e.value.code == 2  # a usage error, not 1 (a missed fusion)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m k3fusion: error: "), err
+    assert says in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_cuda_device_without_cuda_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cuda"])
     assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CUDA is not available" in err and "--device cpu" in err
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and out.startswith("usage: python -m k3fusion ")
+    assert "0 when every site was fused" in " ".join(out.split())  # exit statuses documented
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, rows", [
+    ([], ["qkv_rmsnorm", "attn_res", "attn_res_delta_handoff"]),
+    (["--no-attn-res"], ["qkv_rmsnorm"]),
+    (["--no-attn-res", "--latent-moe"], ["qkv_rmsnorm", "moe_tail"]),
+    (["--latent-moe", "--bank", "tensor", "--block-size", "2"],
+     ["qkv_rmsnorm", "attn_res", "attn_res_delta_handoff", "moe_tail"]),
+])
+def test_report_has_a_row_for_each_fusion_the_model_has(flags, rows, monkeypatch, capsys):
+    # Which rows, not the compile: torch.compile is stubbed out (the model runs eagerly, so
+    # nothing is fused and the run reports FAILED with exit status 1).
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+    assert main(["--dtype", "fp32", "--tokens", "3", "--batch", "1", "-q", *flags]) == 1
+    out, err = capsys.readouterr()
+    assert err == ""  # --quiet
+    table = out.splitlines()
+    assert [line.split()[0] for line in table[2:-2]] == rows
+    assert all(line.split()[2] == "0" for line in table[2:-2])
+    assert table[-1].startswith("FAILED: not every site fused (" + ", ".join(rows))
+    assert "attn_res tensor bank, block size 2" in table[0] or "--bank" not in flags
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
@@ -49,7 +106,8 @@ def test_bench_only_rejects_unknown_names(only, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--only", only])
     assert e.value.code == 2
-    assert "choose from qkv_rmsnorm,attn_res,moe_tail,decoder" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "choose from qkv_rmsnorm,attn_res,moe_tail,decoder" in err and err.count("\n") == 1
 
 
 def test_bench_runs_each_selected_benchmark_and_reports_failures(monkeypatch, capsys):

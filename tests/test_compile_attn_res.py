@@ -134,6 +134,7 @@ def compiled_cache():
     return {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bank,block_size", [
     ("list", 1),
     ("tensor", 2),
@@ -150,6 +151,7 @@ def test_k3fusion_backend_bf16(pass_runs, bank, block_size):
     assert len(pass_runs) == 1  # (no recompile)
 
 
+@pytest.mark.slow
 # derandomize: the same generated draws on every run. A random draw (seed=10291, batch=2,
 # seq=9, block_size=2) put the spec path's max error at 1.58x eager's -- 1.3 bf16 ulps of
 # max|out| at this width, with its mean error below eager's -- so the max bound can fail

@@ -83,6 +83,7 @@ def assert_every_layer_fused(model, before, after) -> None:
     assert k3fusion.match_counts()["qkv_rmsnorm"] == layers
 
 
+@pytest.mark.slow
 def test_k3fusion_backend_bf16_and_harness_agrees(pass_runs):
     model = _model()
     ids = _ids(model.config, 2, 9)
@@ -106,6 +107,7 @@ def test_k3fusion_backend_bf16_and_harness_agrees(pass_runs):
     assert_matches_eager(model, harness_out, ids)
 
 
+@pytest.mark.slow
 def test_dynamic_one_compile_serves_every_token_count(pass_runs):
     model = _model(norm_style="vllm")
     counters.clear()
@@ -123,6 +125,7 @@ def test_dynamic_one_compile_serves_every_token_count(pass_runs):
     assert_every_layer_fused(model, before, after)
 
 
+@pytest.mark.slow
 def test_install_with_inductor_backend(pass_runs):
     model = _model(norm_style="weight_fp32")
     ids = _ids(model.config, 2, 7)
@@ -137,6 +140,7 @@ def test_install_with_inductor_backend(pass_runs):
     assert_matches_eager(model, out, ids)
 
 
+@pytest.mark.slow
 def test_torch_rms_norm_fp32(pass_runs):
     model = _model(norm_style="torch", dtype=torch.float32, num_layers=3)
     ids = _ids(model.config, 2, 6)

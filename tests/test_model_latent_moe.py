@@ -487,6 +487,7 @@ def tp2_results():
     return run_ranks(_model_cases, 2)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODEL_CASES))
 def test_tp2_model_equals_tp1(tp2_results, name):
     assert tp2_results.get(name) == "ok", f"{name}:\n{tp2_results.get(name)}"

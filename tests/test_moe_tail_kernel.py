@@ -719,6 +719,7 @@ for split, after, swap, gemv in ((1, True, False, 0), (7, True, False, 0), (1, F
 """
 
 
+@pytest.mark.slow
 def test_gpu_variants_compile_for_hopper():
     """The GPU-only code (the tensor-core dot in both operand orders, the split-K fences
     and counters, the scale-after epilogues, the GEMV form) compiles for sm_90 on any

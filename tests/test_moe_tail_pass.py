@@ -289,6 +289,7 @@ def _ids(batch=2, seq=5, seed=1):
     return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 def test_dense_model_has_no_tail():
     for kw in ({}, {"attn_res": True}):
         model = KimiK3ForCausalLM(KimiK3Config.tiny(dtype=torch.float32, **kw), seed=0).eval()
@@ -296,6 +297,7 @@ def test_dense_model_has_no_tail():
         assert n == 0, kw
 
 
+@pytest.mark.slow
 def test_latent_moe_model_capture_counts_every_layer():
     model = KimiK3ForCausalLM(KimiK3Config.tiny(latent_moe=True), seed=0).eval()
     ids = _ids()
@@ -311,6 +313,7 @@ def test_latent_moe_model_capture_counts_every_layer():
     # (eager equivalence, tight, in fp32 through real Inductor: the test below)
 
 
+@pytest.mark.slow
 def test_latent_moe_attn_res_model_real_inductor():
     model = KimiK3ForCausalLM(KimiK3Config.tiny(latent_moe=True, attn_res=True,
                                                 dtype=torch.float32), seed=0).eval()
@@ -380,6 +383,7 @@ def _check_ranks(results):
             (rank, res["tiers_run"], results[0]["tiers_run"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_compiled_tail_equals_eager(world):
     """tp = 2 and 4: on every rank the compiled tail (one match, the group read from the

@@ -64,6 +64,7 @@ def round_to(x32: torch.Tensor, dtype: torch.dtype, *, truncate: bool) -> torch.
 # ============================================================================ the switch
 
 
+@pytest.mark.slow
 def test_importing_registers_nothing():
     """A fresh interpreter: importing the module leaves the registry as it was."""
     code = ("import k3fusion.moe_tail as m, k3fusion.moe_tail_symm as s; "
@@ -177,6 +178,7 @@ def _gloo_reasons(rank, world, group):
     return out
 
 
+@pytest.mark.slow
 def test_gloo_group_is_unavailable():
     for out in run_ranks(_gloo_reasons, 2):
         assert "backend is 'gloo'" in out["group"] and "NCCL" in out["group"], out
@@ -403,6 +405,7 @@ def _shared_file_rank(rank, world, group, tmp):
                 own_buffer=torch.equal(packed_x, x) and torch.equal(packed_s, s))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_shot_kernel_across_processes(world):
     from k3fusion.kernels.moe_tail_symm import _one_shot_pair_kernel
@@ -483,6 +486,7 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps"
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 3, 8])
 def test_barrier_compiles_for_hopper(world):
     """The barriers never really run on CPU: compile for sm_90 and check the PTX holds one

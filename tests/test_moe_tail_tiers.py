@@ -424,6 +424,7 @@ def world_results(request):
     return request.param, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_distributed_case(world_results, name):
     world, results = world_results

@@ -223,6 +223,7 @@ def test_mixed_formulations(q_style, kv_style):
     _assert_outputs_close(out, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,dtype", [(s, torch.bfloat16) for s in NORM_STYLES]
                          + [("hf", torch.float32)])
 def test_tiny_model_every_layer_fused(style, dtype):
@@ -462,7 +463,7 @@ def test_switch_off(how, monkeypatch):
     assert k3fusion.get_config().qkv_rmsnorm is False
     out, expected, be = _run(MLA(), _hidden())
     _assert_untouched(be, rsqrt=2)
-    assert "qkv_rmsnorm" not in k3fusion.match_counts()
+    assert k3fusion.match_counts()["qkv_rmsnorm"] == 0
     _assert_outputs_close(out, expected)
 
 

@@ -149,6 +149,7 @@ def _check_recognized(graph, x, w, *, eps, weight_in_fp32, eager, exact):
 # ----------------------------------------------------------------------------- recognized
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(7, 48), (2, 3, 40)], ids=["2d", "3d"])
 @pytest.mark.parametrize("x_dtype,w_dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("form", list(FORMS))

@@ -1,0 +1,75 @@
+"""Every example runs, as a user runs it: ``python examples/<name>.py`` in a fresh process.
+
+The compiling examples run twice in a row with Inductor's caches on (one fresh cache
+directory for the module): the second run is served from the cache and must print the
+same, non-empty match counts as the first.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+COMPILING = ["compile_backend", "install_into_inductor", "attn_res", "moe_tail"]
+EAGER = ["eager_patch", "explain"]
+
+pytestmark = pytest.mark.slow  # each run is a fresh interpreter and a compile
+
+
+def test_every_example_is_tested():
+    assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == sorted(COMPILING + EAGER)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("inductor-cache")
+
+
+def _run(name: str, cache_dir: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user has it
+    env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1",
+               TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def _match_counts(out: str) -> list[dict[str, int]]:
+    return [ast.literal_eval(m) for m in re.findall(r"matches: (\{[^}]*\})", out)]
+
+
+@pytest.mark.parametrize("name", COMPILING)
+def test_example_prints_the_same_match_counts_twice(name, cache_dir):
+    cold, warm = _run(name, cache_dir), _run(name, cache_dir)
+    counts = _match_counts(cold)
+    assert counts and all(any(c.values()) for c in counts), cold
+    assert _match_counts(warm) == counts, (cold, warm)
+    if name == "compile_backend":  # every site of the model fused
+        sites = ast.literal_eval(re.search(r"sites: (\{[^}]*\})", cold).group(1))
+        assert {k: counts[0][k] for k in sites} == sites
+
+
+def test_eager_patch_example(cache_dir):
+    out = _run("eager_patch", cache_dir)
+    assert "skipped: {}" in out and "self_attn" in out and "apply_attn_res" in out, out
+    rel = float(re.search(r"max \|patched - original\| / max\|original\|: (\S+)", out).group(1))
+    assert rel < 3e-2  # bf16 roundings through two layers (the main job's bound)
+
+
+def test_explain_example(cache_dir):
+    out = _run("explain", cache_dir)
+    if importlib.util.find_spec("k3fusion.explain") is None:
+        assert "k3fusion.explain is not in this version" in out
+    else:  # TODO(lead): assert on explain()'s report once k3fusion/explain.py is merged
+        assert out.strip() and "not in this version" not in out
