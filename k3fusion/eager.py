@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import reference
+from . import ops, reference
 from .ops import check_rms_norm_args
 
 __all__ = ["fused_qkv_rmsnorm", "RMSNormSpec", "rms_norm_spec", "FusedQKVRMSNorm",
@@ -420,9 +420,17 @@ def attn_res(
 ) -> torch.Tensor:
     """One fused AttnRes step with the spec's in-place effects (``k3fusion.reference.attn_res``):
     ``prefix`` is updated in place when ``delta`` is given and ``blocks[:, block_write_idx]``
-    is written. Runs the same op (and launch heuristics) as the compiled path."""
-    return torch.ops.k3fusion.attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
-                                        block_write_idx, out_norm_w, out_eps, out_weight_in_fp32)
+    is written. Runs the same op (and launch heuristics) as the compiled path.
+
+    Arguments may share memory (the result is the spec's, whose steps read before they
+    write); a tensor it writes must not require grad while grad mode is on (RuntimeError,
+    as for torch's in-place ops: the op has no backward). See ``docs/eager.md``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.k3fusion.attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps,
+                                            delta, block_write_idx, out_norm_w, out_eps,
+                                            out_weight_in_fp32)
+    return ops.attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, block_write_idx,
+                         out_norm_w, out_eps, out_weight_in_fp32)
 
 
 @dataclass(frozen=True)
@@ -638,6 +646,8 @@ class _MoETailStep:
         self.runner, self.original = runner, original
 
     def __call__(self, routed_latent, shared):
+        if _records_grad((routed_latent, shared), (self.runner.norm, self.runner.up_proj)):
+            return self.original(routed_latent, shared)  # the fused tiers have no backward
         return self.runner(routed_latent, shared, donate_shared=True)
 
 

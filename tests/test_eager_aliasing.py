@@ -332,3 +332,36 @@ def test_patched_module_equals_the_original_for_any_call_sequence(T, forwards):
         assert (g is None) == (w is None), f"result {i}"
         if g is not None:
             assert torch.equal(g, w), f"result {i}: max diff {(g - w).abs().max()}"
+
+
+# ------------------------------------------------------------------ training
+
+
+@pytest.mark.parametrize("bank", ["list", "tensor"])
+def test_patched_model_trains_like_the_original(bank):
+    """Issue 16 item 5: with grad on and parameters that require grad, the patched
+    modules run the original ones -- the forward and every gradient are the original's,
+    bit for bit (the fused kernels have no backward). Under no_grad it fuses again."""
+    from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
+    from test_eager import DUAL, CountOps
+
+    cfg = KimiK3Config.tiny(dtype=torch.float32, attn_res=True, attn_res_bank=bank,
+                            attn_res_block_size=1, latent_moe=True, num_layers=2)
+    ref = KimiK3ForCausalLM(cfg, seed=5).train()
+    pat = copy.deepcopy(ref)
+    report = patch_model(pat)
+    assert any("autograd" in note for note in report.notes)
+    ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
+    with cpu_path("reference"):
+        losses = []
+        for m in (ref, pat):
+            loss = m(ids).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        with torch.no_grad(), CountOps(DUAL) as fused:
+            pat(ids)
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(ref.named_parameters(), pat.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    assert fused.calls == cfg.num_layers
