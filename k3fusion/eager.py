@@ -151,6 +151,18 @@ class FusedQKVRMSNorm(nn.Module):
             q_weight_in_fp32=self._q_fp32, kv_weight_in_fp32=self._kv_fp32)
 
 
+_NO_EPS = object()
+
+
+def _raw_eps(module: nn.Module):
+    """The attribute :func:`_declared_spec` reads eps from, as stored (a cheap check that
+    it was not changed after patching)."""
+    eps = module.__dict__.get("variance_epsilon", _NO_EPS)
+    if eps is _NO_EPS:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return eps
+
+
 def _root(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
@@ -240,6 +252,7 @@ class _QKVPrefetch:
         self.q_norm, self.kv_norm = attn.q_a_layernorm, attn.kv_a_layernorm
         self.original = {m: m.forward for m in (self.q_proj, self.kv_proj, self.q_norm, self.kv_norm)}
         self.kv_lora = int(self.kv_norm.weight.shape[0])
+        self._eps_at_patch = (_raw_eps(self.q_norm), _raw_eps(self.kv_norm))
         self.stash: _Stash | None = None
 
     def install(self) -> None:
@@ -255,9 +268,8 @@ class _QKVPrefetch:
                 and not _records_grad((x,), self.original))
 
     def _eps_unchanged(self) -> bool:
-        q, kv = _declared_spec(self.q_norm), _declared_spec(self.kv_norm)
-        return (q is not None and kv is not None
-                and q[1] == self.fused._q_eps and kv[1] == self.fused._kv_eps)
+        return (_raw_eps(self.q_norm) == self._eps_at_patch[0]
+                and _raw_eps(self.kv_norm) == self._eps_at_patch[1])
 
     def project_q(self, hidden: torch.Tensor) -> torch.Tensor:
         self.stash = None
