@@ -39,27 +39,61 @@ def k3fusion_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | No
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-_previous: list[Any] = []
+#: One record per effective :func:`install`: (what was there, what install put there,
+#: k3fusion's own pass, the installed list's contents when it was a list).
+_previous: list[tuple[Any, Any, K3FusionPass, list | None]] = []
 
 
 def install() -> None:
     """Add the k3fusion pass to every ``backend="inductor"`` compile in this process.
 
     Composes with a ``post_grad_custom_post_pass`` already set (that one runs first).
-    Idempotent; :func:`uninstall` restores what was there.
+    Idempotent; :func:`uninstall` takes it out again. A pass you set *after* install()
+    replaces the composition (torch's config holds one value): set yours first, or set
+    ``k3fusion.pass_manager.compose_with(yours)`` to keep both.
     """
     from torch._inductor import config as inductor_config
 
     current = inductor_config.post_grad_custom_post_pass
-    composed = compose_with(current, K3FusionPass())
+    ours = K3FusionPass()
+    composed = compose_with(current, ours)
     if composed is not current:
-        _previous.append(current)
+        _previous.append((current, composed, ours, list(composed) if isinstance(composed, list) else None))
         inductor_config.post_grad_custom_post_pass = composed
 
 
+def _as_items(p) -> list:
+    if p is None:
+        return []
+    return list(p) if isinstance(p, (list, tuple)) else [p]
+
+
+def _without(current, previous, installed, ours, snapshot):
+    """``current`` with what :func:`install` added taken out; everything else kept."""
+    if current is installed and (snapshot is None or list(current) == snapshot):
+        return previous  # untouched since install: exactly what was there before
+    if isinstance(current, (list, tuple)):
+        items, found = [], False
+        for p in current:
+            if p is installed or p is ours:
+                found = True
+                if p is installed:
+                    items += _as_items(previous)
+            else:
+                items.append(p)
+        if current is installed:  # our list, extended in place: keep the user's additions
+            items = [p for p in current if p is not ours]
+            found = True
+        return type(current)(items) if found else current
+    return current  # the user replaced the pass since: theirs stays
+
+
 def uninstall() -> None:
-    """Undo :func:`install` (no-op when not installed)."""
+    """Undo :func:`install` (no-op when not installed): restores what was there before,
+    and leaves a pass set or added since in place (only k3fusion's pass goes)."""
     from torch._inductor import config as inductor_config
 
     if _previous:
-        inductor_config.post_grad_custom_post_pass = _previous.pop()
+        previous, installed, ours, snapshot = _previous.pop()
+        inductor_config.post_grad_custom_post_pass = _without(
+            inductor_config.post_grad_custom_post_pass, previous, installed, ours, snapshot)

@@ -50,7 +50,7 @@ class FusionConfig:
     #: kernel stops at 16, the symmetric-memory one at 64); 0 never selects it.
     fused_tail_max_tokens: int = 64
     #: ALLREDUCE_OVERLAP tier (shared-expert all-reduce on a side stream, replicated
-    #: up-projection) for tokens <= this; above it COLUMN_PARALLEL (tp > 1) or the
+    #: up-projection) for 0 < tokens <= this (0 never selects it); above it COLUMN_PARALLEL (tp > 1) or the
     #: replicated form (tp = 1). As vLLM's ``VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD``.
     #: 0 by default: measured at tp = 2 on two H200s (docs/benchmarks.md), column-parallel
     #: was faster at every T from 1 to 16384 (53.4 against 63.5 us at T = 1, 129.2 against

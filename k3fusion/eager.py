@@ -14,21 +14,26 @@ consumes the q norm before it even computes the kv projection::
     kv = kv_a_proj_with_mqa(h); kv_c, k_pe = kv.split(...); kv_a_layernorm(kv_c) ...
 
 so ``q_a_proj`` is wrapped to compute both projections of ``h`` and both norms in one
-launch, and the three later calls take their results from that step -- only when their
-input is the very tensor (same object or same view, unmodified) the step produced.
-Anything else falls through to the original module, so results never change.
+launch, and the three later calls take their results from that step -- each result at
+most once, and only when the call's input is the tensor the step read (the same base
+tensor, held weakly, the same view, and the same version counter: no in-place write since)
+and the module's parameters are unchanged. Anything else falls through to the original
+module, so results never change. The fused paths step aside (the original modules run)
+while autograd records (grad mode on and an input or parameter requires grad), under
+autocast, and in ``torch.inference_mode()`` (its tensors keep no version counter, so a
+later in-place write could not be seen): see ``docs/eager.md``.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from . import reference
+from . import ops, reference
 from .ops import check_rms_norm_args
 
 __all__ = ["fused_qkv_rmsnorm", "RMSNormSpec", "rms_norm_spec", "FusedQKVRMSNorm",
@@ -146,20 +151,92 @@ class FusedQKVRMSNorm(nn.Module):
             q_weight_in_fp32=self._q_fp32, kv_weight_in_fp32=self._kv_fp32)
 
 
-def _view_key(t: torch.Tensor) -> tuple:
-    """Identity of a view *and* of its contents' version (in-place writes bump it)."""
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+_NO_EPS = object()
+
+
+def _raw_eps(module: nn.Module):
+    """The attribute :func:`_declared_spec` reads eps from, as stored (a cheap check that
+    it was not changed after patching)."""
+    eps = module.__dict__.get("variance_epsilon", _NO_EPS)
+    if eps is _NO_EPS:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return eps
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+class _Seen:
+    """A tensor as a cached result saw it: its allocation (the view's base, held weakly:
+    a freed tensor never matches, whatever reuses its address), the view, and the
+    version of the contents (in-place writes through any view of the base bump it)."""
+
+    __slots__ = ("root", "view", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.root = weakref.ref(_root(t))
+        self.view = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+        self.version = t._version
+
+    def matches(self, x: torch.Tensor) -> bool:
+        return (isinstance(x, torch.Tensor) and self.root() is _root(x)
+                and x._version == self.version
+                and (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) == self.view)
+
+
+def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    if module._modules:
+        return [*module.parameters(), *module.buffers()]
+    return [t for d in (module._parameters, module._buffers) for t in d.values() if t is not None]
+
+
+class _ModuleState:
+    """A module's parameters and buffers as a result saw them (object, data, version)."""
+
+    __slots__ = ("module", "key")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.key = [(t, t.data_ptr(), t._version) for t in _module_tensors(module)]
+
+    def unchanged(self) -> bool:
+        now = _module_tensors(self.module)
+        return len(now) == len(self.key) and all(
+            t is k and t.data_ptr() == p and t._version == v for t, (k, p, v) in zip(now, self.key))
+
+
+def _records_grad(tensors, modules) -> bool:
+    """Autograd would record a graph through these inputs and modules' parameters."""
+    if not torch.is_grad_enabled():
+        return False
+    return (any(t is not None and t.requires_grad for t in tensors)
+            or any(p.requires_grad for m in modules for p in m.parameters()))
+
+
+def _can_fuse(x: torch.Tensor) -> bool:
+    """The fused kernels stand in for the modules only where they compute the same thing
+    and a later in-place write to an input is visible: not while compiling, autocasting
+    or in inference mode (inference tensors keep no version counter)."""
+    return not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+                or x.is_inference() or torch.is_autocast_enabled(x.device.type))
 
 
 @dataclass
 class _Stash:
-    hidden: torch.Tensor
-    q_key: tuple
-    q_out: torch.Tensor
-    kv: torch.Tensor
-    kv_key: tuple
-    kv_c_key: tuple
-    kv_out: torch.Tensor
+    """One prefetch step's results, each handed out at most once, and only to a call
+    whose input is the tensor (same base, view and version) the step computed it from,
+    with the module's parameters unchanged."""
+
+    hidden: _Seen
+    kv_state: _ModuleState
+    kv: torch.Tensor | None
+    q_c: _Seen
+    q_state: _ModuleState
+    q_out: torch.Tensor | None
+    kv_c: _Seen
+    kv_norm_state: _ModuleState
+    kv_out: torch.Tensor | None
 
 
 class _QKVPrefetch:
@@ -175,6 +252,7 @@ class _QKVPrefetch:
         self.q_norm, self.kv_norm = attn.q_a_layernorm, attn.kv_a_layernorm
         self.original = {m: m.forward for m in (self.q_proj, self.kv_proj, self.q_norm, self.kv_norm)}
         self.kv_lora = int(self.kv_norm.weight.shape[0])
+        self._eps_at_patch = (_raw_eps(self.q_norm), _raw_eps(self.kv_norm))
         self.stash: _Stash | None = None
 
     def install(self) -> None:
@@ -185,12 +263,24 @@ class _QKVPrefetch:
         for m in self.original:
             m._k3fusion_prefetch = self
 
+    def _fusable(self, x: torch.Tensor) -> bool:
+        return (isinstance(x, torch.Tensor) and _can_fuse(x)
+                and not _records_grad((x,), self.original))
+
+    def _eps_unchanged(self) -> bool:
+        return (_raw_eps(self.q_norm) == self._eps_at_patch[0]
+                and _raw_eps(self.kv_norm) == self._eps_at_patch[1])
+
     def project_q(self, hidden: torch.Tensor) -> torch.Tensor:
         self.stash = None
         q_c = self.original[self.q_proj](hidden)
-        if torch.compiler.is_compiling():
+        if not self._fusable(hidden) or not self._eps_unchanged():
             return q_c
-        kv = self.original[self.kv_proj](hidden)
+        try:  # the prefetch must not raise where the module would not have been called
+            kv = self.original[self.kv_proj](hidden)
+        except Exception as e:
+            log.debug("k3fusion eager: q/kv prefetch skipped: %s", e)
+            return q_c
         kv_c = kv[..., : self.kv_lora]
         try:
             check_rms_norm_args(q_c, self.q_norm.weight, self.fused._q_eps, x_name="q_c")
@@ -199,35 +289,53 @@ class _QKVPrefetch:
             log.debug("k3fusion eager: q/kv prefetch skipped: %s", e)
             return q_c
         q_out, kv_out = self.fused(q_c, kv_c)
-        self.stash = _Stash(hidden, _view_key(q_c), q_out, kv, _view_key(kv), _view_key(kv_c), kv_out)
+        self.stash = _Stash(_Seen(hidden), _ModuleState(self.kv_proj), kv,
+                            _Seen(q_c), _ModuleState(self.q_norm), q_out,
+                            _Seen(kv_c), _ModuleState(self.kv_norm), kv_out)
         return q_c
 
     def project_kv(self, hidden: torch.Tensor) -> torch.Tensor:
         s = self.stash
-        if s is not None and hidden is s.hidden and _view_key(s.kv) == s.kv_key:
-            return s.kv
+        if (s is not None and s.kv is not None and s.hidden.matches(hidden)
+                and s.kv_state.unchanged() and self._fusable(hidden)):
+            kv, s.kv = s.kv, None
+            return kv
         return self.original[self.kv_proj](hidden)
 
     def norm_q(self, x: torch.Tensor) -> torch.Tensor:
         s = self.stash
-        if s is not None and not torch.compiler.is_compiling() and _view_key(x) == s.q_key:
-            return s.q_out
+        if (s is not None and s.q_out is not None and s.q_c.matches(x)
+                and s.q_state.unchanged() and self._fusable(x) and self._eps_unchanged()):
+            out, s.q_out = s.q_out, None
+            return out
         return self.original[self.q_norm](x)
 
     def norm_kv(self, x: torch.Tensor) -> torch.Tensor:
         s = self.stash
-        if s is not None and not torch.compiler.is_compiling() and _view_key(x) == s.kv_c_key:
-            self.stash = None  # the step is complete; drop the references
-            return s.kv_out
+        if (s is not None and s.kv_out is not None and s.kv_c.matches(x)
+                and s.kv_norm_state.unchanged() and self._fusable(x) and self._eps_unchanged()):
+            out, s.kv_out = s.kv_out, None
+            if s.q_out is None:
+                self.stash = None  # the step is complete; drop the references
+            return out
         return self.original[self.kv_norm](x)
+
+
+#: When a patched module runs its fused kernels, in :attr:`PatchReport.notes`.
+FUSED_WHEN = ("patched modules run their fused kernels only where autograd records nothing "
+              "(torch.no_grad(), or no input or parameter requires grad), outside autocast "
+              "and torch.compile; the q/kv norms also not in torch.inference_mode() (no "
+              "version counters). Otherwise the original modules run (docs/eager.md).")
 
 
 @dataclass
 class PatchReport:
-    """What :func:`patch_model` did: module names patched, and skipped with the reason."""
+    """What :func:`patch_model` did: module names patched, and skipped with the reason;
+    ``notes``: when the patched modules fall back to the original ones."""
 
     patched: list[str]
     skipped: dict[str, str]
+    notes: list[str] = field(default_factory=lambda: [FUSED_WHEN])
 
     def __len__(self) -> int:
         return len(self.patched)
@@ -254,6 +362,10 @@ def patch_model(model: nn.Module) -> PatchReport:
       contract, ``k3fusion.models.kimi_k3.KimiK3LatentMoE``) runs its tail through a
       :class:`MoETailRunner` (tier selected per call); a non-standard ``latent_norm``
       is skipped with the reason.
+
+    Training: while autograd records (grad mode on and an input or parameter requires
+    grad) the patched modules run the original ones, so a backward pass is exact; the
+    fused kernels have no backward (see ``PatchReport.notes`` and ``docs/eager.md``).
 
     Idempotent. Returns a :class:`PatchReport` naming what was patched and what was
     skipped and why.
@@ -320,9 +432,17 @@ def attn_res(
 ) -> torch.Tensor:
     """One fused AttnRes step with the spec's in-place effects (``k3fusion.reference.attn_res``):
     ``prefix`` is updated in place when ``delta`` is given and ``blocks[:, block_write_idx]``
-    is written. Runs the same op (and launch heuristics) as the compiled path."""
-    return torch.ops.k3fusion.attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
-                                        block_write_idx, out_norm_w, out_eps, out_weight_in_fp32)
+    is written. Runs the same op (and launch heuristics) as the compiled path.
+
+    Arguments may share memory (the result is the spec's, whose steps read before they
+    write); a tensor it writes must not require grad while grad mode is on (RuntimeError,
+    as for torch's in-place ops: the op has no backward). See ``docs/eager.md``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.k3fusion.attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps,
+                                            delta, block_write_idx, out_norm_w, out_eps,
+                                            out_weight_in_fp32)
+    return ops.attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, block_write_idx,
+                         out_norm_w, out_eps, out_weight_in_fp32)
 
 
 @dataclass(frozen=True)
@@ -378,7 +498,7 @@ class _FusedAttnResStep:
         self.original = original
         # Keyed by the module itself, weakly: an id() could be reused by a later module.
         self._specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._stacked: tuple[tuple, torch.Tensor] | None = None
+        self._stacked: tuple[list[_Seen], torch.Tensor] | None = None
 
     def _spec(self, module: nn.Module | None, fn):
         if module is None:
@@ -388,17 +508,37 @@ class _FusedAttnResStep:
         return self._specs[module]
 
     def _stack(self, blocks: list[torch.Tensor], prefix: torch.Tensor) -> torch.Tensor:
-        """The list bank's blocks as one [..., n, H] tensor, reused while they are unchanged."""
+        """The list bank's blocks as one [..., n, H] tensor, reused while they are the same
+        tensors (held weakly), views and versions -- a freed block never matches."""
         if not blocks:
             return prefix.unsqueeze(-2)  # nothing is read from it
-        key = tuple((b.data_ptr(), b._version, tuple(b.shape)) for b in blocks)
-        if self._stacked is None or self._stacked[0] != key:
-            self._stacked = (key, torch.stack(blocks, dim=-2))
-        return self._stacked[1]
+        if torch.is_inference_mode_enabled() or any(b.is_inference() for b in blocks):
+            self._stacked = None  # no version counters: an in-place edit would go unseen
+            return torch.stack(blocks, dim=-2)
+        cached = self._stacked
+        if (cached is not None and len(cached[0]) == len(blocks)
+                and all(seen.matches(b) for seen, b in zip(cached[0], blocks))):
+            return cached[1]
+        stacked = torch.stack(blocks, dim=-2)
+        self._stacked = ([_Seen(b) for b in blocks], stacked)
+        return stacked
+
+    @staticmethod
+    def _run_original(prefix, bank, res, delta, output_norm) -> bool:
+        """Compiling (the graph pass owns this case; probe nothing), autocasting (the
+        module's Linear would run in another dtype), or autograd recording."""
+        if not isinstance(prefix, torch.Tensor) or torch.compiler.is_compiling():
+            return True
+        if torch.is_autocast_enabled(prefix.device.type):
+            return True
+        if not torch.is_grad_enabled():
+            return False
+        tensors = [prefix, delta, *(bank if isinstance(bank, list) else [bank])]
+        return _records_grad(tensors, [m for m in (res, output_norm) if isinstance(m, nn.Module)])
 
     def __call__(self, prefix, bank, res, num_blocks, *, delta=None, output_norm=None,
                  block_write_idx=-1):
-        if torch.compiler.is_compiling():  # the graph pass owns this case; probe nothing
+        if self._run_original(prefix, bank, res, delta, output_norm):
             return self.original(prefix, bank, res, num_blocks, delta=delta,
                                  output_norm=output_norm, block_write_idx=block_write_idx)
         res_spec = self._spec(res, attn_res_spec)
@@ -518,6 +658,8 @@ class _MoETailStep:
         self.runner, self.original = runner, original
 
     def __call__(self, routed_latent, shared):
+        if _records_grad((routed_latent, shared), (self.runner.norm, self.runner.up_proj)):
+            return self.original(routed_latent, shared)  # the fused tiers have no backward
         return self.runner(routed_latent, shared, donate_shared=True)
 
 

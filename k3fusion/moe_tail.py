@@ -42,8 +42,10 @@ partial and reduced sums. Rules, in order (``config`` is :class:`k3fusion.Fusion
 2. ``config.moe_tail`` off -> ``REPLICATED``;
 3. ``0 < T <= fused_tail_max_tokens`` and ``TAIL_FUSION`` available, with an
    implementation whose ``select_max_tokens`` admits T -> ``TAIL_FUSION``;
-4. ``T <= shared_experts_stream_token_threshold`` and not
-   ``disable_shared_experts_stream`` -> ``ALLREDUCE_OVERLAP``;
+4. ``0 < T <= shared_experts_stream_token_threshold`` and not
+   ``disable_shared_experts_stream`` -> ``ALLREDUCE_OVERLAP`` (a threshold of 0 never
+   selects it, as ``fused_tail_max_tokens = 0`` never selects the fused tail; an empty
+   call has nothing to overlap);
 5. tp = 1: ``REPLICATED`` (nothing to split, no all-reduce: the plain form); tp > 1:
    ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
 
@@ -257,9 +259,10 @@ def _select(tokens, hidden, tp, device, config: FusionConfig | None, force) -> t
     else:
         small = ""
     threshold = config.shared_experts_stream_token_threshold
-    if tokens <= threshold and not config.disable_shared_experts_stream:
-        return Tier.ALLREDUCE_OVERLAP, f"{small}T <= shared_experts_stream_token_threshold={threshold}"
+    if 0 < tokens <= threshold and not config.disable_shared_experts_stream:
+        return Tier.ALLREDUCE_OVERLAP, f"{small}0 < T <= shared_experts_stream_token_threshold={threshold}"
     big = ("shared-experts stream disabled" if config.disable_shared_experts_stream
+           else "T = 0" if tokens == 0
            else f"T > shared_experts_stream_token_threshold={threshold}")
     if tp == 1:
         # No all-reduce to save and no columns to split: the plain form costs the same

@@ -490,7 +490,7 @@ def test_supports_on_a_cuda_device_object():
     assert moe_tail.select_tier(9, 7168, 1, cuda, lowered) is Tier.REPLICATED
     assert moe_tail.select_tier(8, 7168, 1, cuda, lowered) is Tier.TAIL_FUSION
     assert moe_tail.select_tier(17, 7168, 1, cuda, force="tail_fusion") is Tier.TAIL_FUSION
-    assert moe_tail.select_tier(0, 7168, 1, cuda) is Tier.ALLREDUCE_OVERLAP
+    assert moe_tail.select_tier(0, 7168, 1, cuda) is Tier.REPLICATED  # no fused tail, no overlap at T = 0
     assert moe_tail.select_tier(4, 7168, 2, cuda) is Tier.COLUMN_PARALLEL
     with pytest.raises(TierUnavailableError, match=r"tail_fusion.*triton: tp=2"):
         moe_tail.select_tier(4, 7168, 2, cuda, force="tail_fusion")

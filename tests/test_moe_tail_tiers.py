@@ -229,14 +229,15 @@ def _(ctx, payloads):
 
 @case("fused-tail-boundary")
 def _run_ftb(ctx):
-    # At fused_tail_max_tokens and one above: no fused tail on CPU, so the overlap tier.
+    # At fused_tail_max_tokens and one above: no fused tail on CPU, so the overlap tier
+    # (not at T = 0: 0 < T <= threshold).
     cfg = FusionConfig(fused_tail_max_tokens=4, shared_experts_stream_token_threshold=5)
     return {t: _tail(ctx, 30 + t, (t,), 64, torch.float32, config=cfg) for t in (0, 3, 4, 5, 6)}
 
 
 @_run_ftb.check
 def _(ctx, payloads):
-    _check_each(ctx, payloads, tiers={0: "allreduce_overlap", 3: "allreduce_overlap",
+    _check_each(ctx, payloads, tiers={0: "column_parallel", 3: "allreduce_overlap",
                                       4: "allreduce_overlap", 5: "allreduce_overlap",
                                       6: "column_parallel"})
 
@@ -334,7 +335,9 @@ def _run_t0(ctx):
 
 @_run_t0.check
 def _(ctx, payloads):
-    _check_each(ctx, payloads, tiers={k: "allreduce_overlap" for k in payloads[0]})
+    # T = 0 is never an overlap call (0 < T <= threshold), whatever the threshold.
+    big = "column_parallel" if 64 % ctx.world == 0 else "replicated"
+    _check_each(ctx, payloads, tiers={k: big for k in payloads[0]})
 
 
 @case("donate-shared")
@@ -447,10 +450,12 @@ T256 = {"shared_experts_stream_token_threshold": 256}
     "tokens,hidden,tp,cfg,want",
     [
         # Defaults: threshold 0 (column-parallel was measured faster at every T).
-        (0, 64, 2, {}, Tier.ALLREDUCE_OVERLAP),      # T = 0: no fused tail (0 < T), 0 <= 0
+        (0, 64, 2, {}, Tier.COLUMN_PARALLEL),        # T = 0: no fused tail, no overlap (0 < T)
+        (0, 64, 1, {}, Tier.REPLICATED),             # T = 0, tp 1
         (1, 64, 2, {}, Tier.COLUMN_PARALLEL),        # no fused tail on CPU; 1 > 0
         (1, 63, 2, {}, Tier.REPLICATED),             # H % tp != 0: fall back, correct
-        (0, 64, 2, T256, Tier.ALLREDUCE_OVERLAP),    # T = 0 at a raised threshold
+        (0, 64, 2, T256, Tier.COLUMN_PARALLEL),      # T = 0 at a raised threshold: 0 < T
+        (0, 63, 2, T256, Tier.REPLICATED),           # T = 0, H % tp != 0
         (1, 64, 2, T256, Tier.ALLREDUCE_OVERLAP),    # no fused tail on CPU
         (255, 64, 8, T256, Tier.ALLREDUCE_OVERLAP),  # threshold - 1
         (256, 64, 8, T256, Tier.ALLREDUCE_OVERLAP),  # threshold (inclusive)
@@ -461,7 +466,10 @@ T256 = {"shared_experts_stream_token_threshold": 256}
         (1, 64, 2, {"disable_shared_experts_stream": True}, Tier.COLUMN_PARALLEL),
         (1, 63, 2, {"disable_shared_experts_stream": True}, Tier.REPLICATED),
         (9, 64, 2, {"shared_experts_stream_token_threshold": 8}, Tier.COLUMN_PARALLEL),
-        (0, 64, 2, {"shared_experts_stream_token_threshold": 0}, Tier.ALLREDUCE_OVERLAP),
+        (0, 64, 2, {"shared_experts_stream_token_threshold": 0}, Tier.COLUMN_PARALLEL),
+        (0, 64, 2, {"shared_experts_stream_token_threshold": 1}, Tier.COLUMN_PARALLEL),
+        (1, 64, 2, {"shared_experts_stream_token_threshold": 1}, Tier.ALLREDUCE_OVERLAP),
+        (2, 64, 2, {"shared_experts_stream_token_threshold": 1}, Tier.COLUMN_PARALLEL),
         (1, 64, 2, {"shared_experts_stream_token_threshold": 0}, Tier.COLUMN_PARALLEL),
         (10**6, 64, 2, {"moe_tail": False}, Tier.REPLICATED),
         (3, 64, 2, {"moe_tail_tier": "column_parallel"}, Tier.COLUMN_PARALLEL),
@@ -480,7 +488,7 @@ def test_select_tier_is_a_function_of_static_facts_and_tokens():
             tiers = {moe_tail.select_tier(tokens, 96, tp, torch.device("cpu"), cfg) for _ in range(3)}
             assert len(tiers) == 1
             big = Tier.COLUMN_PARALLEL if tp > 1 else Tier.REPLICATED
-            assert tiers.pop() is (Tier.ALLREDUCE_OVERLAP if tokens <= 32 else big)
+            assert tiers.pop() is (Tier.ALLREDUCE_OVERLAP if 0 < tokens <= 32 else big)
 
 
 def test_forced_unavailable_tiers_raise_clearly():
@@ -523,7 +531,7 @@ def test_registered_tail_fusion_is_selected_at_small_t():
             moe_tail.register_tail_fusion(impl)
         cfg = _cfg(fused_tail_max_tokens=4)
         got = [moe_tail.select_tier(t, 64, 1, "cpu", cfg) for t in (0, 1, 4, 5)]
-        assert got == [Tier.ALLREDUCE_OVERLAP, Tier.TAIL_FUSION, Tier.TAIL_FUSION,
+        assert got == [Tier.REPLICATED, Tier.TAIL_FUSION, Tier.TAIL_FUSION,
                        Tier.REPLICATED]
         assert moe_tail.select_tier(1, 64, 2, "cpu", cfg) is Tier.COLUMN_PARALLEL
         with pytest.raises(TierUnavailableError, match="tp 1 only"):

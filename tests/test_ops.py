@@ -382,7 +382,8 @@ def test_eps_not_a_number_names_the_argument() -> None:
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="the op schema converts a bool eps to 1.0 before "
-                   "check_rms_norm_args' bool rejection runs (k3fusion/ops/_args.py)")
+                   "check_rms_norm_args' bool rejection runs (k3fusion/ops/_args.py); "
+                   "k3fusion.ops.dual_rms_norm refuses it (tests/test_op_entry_points.py)")
 def test_eps_bool_rejected() -> None:
     try:
         op(**_args(eps1=True))

@@ -180,6 +180,14 @@ def attn_res_(
     ``block_write_idx >= 0`` that row is written to ``blocks[..., block_write_idx, :]``.
     Returns the mix (optionally output-normed) as a new tensor. A tensor the op writes
     must be viewable as rows (``[T, H]`` / ``[T, NBmax, H]``) without a copy.
+
+    Arguments may share memory (``prefix`` a view of a bank slot, ``delta`` overlapping
+    ``prefix``): the result is then the spec's, whose steps each read before they write
+    -- the op detects possible overlap from addresses and strides (host-side) and runs
+    the writes as separate ops before the fused mix. ``k3fusion.ops.attn_res_`` and
+    ``k3fusion.eager.attn_res`` refuse a written tensor that requires grad (grad mode
+    on) with a RuntimeError, as torch refuses in-place ops on leaves: the op has no
+    backward.
     """
     raise NotImplementedError(f"k3fusion::attn_res_ has no kernel for {prefix.device.type}")
 
@@ -198,11 +206,98 @@ def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_i
     return _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
 
 
+def _check_no_grad_writes(prefix, blocks, delta, block_write_idx) -> None:
+    """As torch refuses in-place ops on tensors autograd needs: the op has no backward.
+    (Checked in the Python entry points: inside the op, autograd's wrapper has turned
+    grad mode off.)"""
+    if not torch.is_grad_enabled():
+        return
+    for name, t, written in (("prefix", prefix, delta is not None),
+                             ("blocks", blocks, block_write_idx >= 0)):
+        if written and t.requires_grad:
+            kind = "a leaf Variable" if t.is_leaf else "a tensor"
+            raise RuntimeError(
+                f"k3fusion::attn_res_ writes {name} in place, but {name} is {kind} that "
+                "requires grad and the op has no backward; run it under torch.no_grad() "
+                "(or use k3fusion.reference.attn_res, which autograd can differentiate)")
+
+
+def _span(t: torch.Tensor, skip_dim: int | None = None, index: int = 0):
+    """``[first, last + 1)`` byte addresses of ``t``'s elements (of ``t.select(skip_dim,
+    index)`` when given, without making the view); None when there are none."""
+    shape, strides = list(t.shape), list(t.stride())
+    base, item = t.data_ptr(), t.element_size()
+    if skip_dim is not None:
+        base += index * strides[skip_dim] * item
+        del shape[skip_dim], strides[skip_dim]
+    lo = hi = 0
+    for n, st in zip(shape, strides):
+        if n == 0:
+            return None
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return base + lo * item, base + (hi + 1) * item
+
+
+def _spans_meet(sa, sb) -> bool:
+    return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
+
+
+def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Conservative: False only if ``a`` and ``b`` share no byte (host-side, O(dims)).
+    The arguments are on one device (checked before)."""
+    return _spans_meet(_span(a), _span(b))
+
+
+def _no_internal_overlap(t: torch.Tensor) -> bool:
+    """Sufficient: each stride (ascending) exceeds the extent of the smaller ones."""
+    extent = 0
+    for st, n in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st <= extent:
+            return False
+        extent += st * (n - 1)
+    return True
+
+
+def _write_hazard(prefix, blocks, delta, block_write_idx) -> bool:
+    """May a write of the fused launch (prefix with ``delta``, the block slot) land on
+    memory the launch also reads (prefix, delta, the live sources)? The kernel reads
+    and writes in one pass, so any shared byte could be read after it was written."""
+    if delta is not None and (_may_overlap(prefix, delta) or _may_overlap(prefix, blocks)):
+        return True
+    if block_write_idx >= 0:
+        slot = _span(blocks, blocks.dim() - 2, block_write_idx)
+        if _spans_meet(slot, _span(prefix)) or (delta is not None and _spans_meet(slot, _span(delta))):
+            return True
+        if not _no_internal_overlap(blocks):  # the slot may share memory with a source
+            return True
+    return False
+
+
+def _write_in_spec_order(prefix, prefix2, blocks, delta, block_write_idx) -> None:
+    """Steps 1 and 2 of ``k3fusion.reference.attn_res`` as separate ops, each reading
+    all its input before it writes (what the spec's sequential steps mean)."""
+    if delta is not None:
+        prefix2.copy_((prefix2.float() + _rows(delta).float()).to(prefix2.dtype))
+    if block_write_idx >= 0:
+        slot = blocks[..., block_write_idx, :]
+        slot.copy_(prefix.clone() if _may_overlap(slot, prefix) else prefix)
+
+
 def _attn_res_inplace(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, block_write_idx,
                       out_norm_w, out_eps, out_weight_in_fp32, use_kernel: bool):
     check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
                         block_write_idx, out_norm_w, out_eps)
     prefix2, blocks3 = _inplace_views(prefix, blocks, delta, block_write_idx)
+    if _write_hazard(prefix, blocks, delta, block_write_idx):
+        # Aliased arguments: do the writes first, in the spec's order; the mix then only
+        # reads (and sees the written values, as the spec's later steps do).
+        _write_in_spec_order(prefix, prefix2, blocks, delta, block_write_idx)
+        delta, block_write_idx = None, -1
+        prefix2 = _rows(prefix)
+        blocks3 = _block_rows(blocks, prefix2.shape[0], written=False)
     if use_kernel:
         out = _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
         _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta, prefix2,
@@ -319,3 +414,36 @@ def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=No
     return _attn_res_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
                                 out_norm_w, out_eps, out_weight_in_fp32, eps_tensor,
                                 out_eps_tensor, interpreter_enabled())
+
+
+# ---------------------------------------------------------------- checked entry points
+#
+# ``torch.ops.k3fusion.*`` parses its arguments against the schema before any Python of
+# ours runs: a bool becomes 1.0 or 1, a 0-dim tensor a float, and the autograd wrapper
+# runs the implementation with grad mode off. These entry points see the arguments as
+# the caller wrote them and the caller's grad mode.
+
+_attn_res_inplace_op, _attn_res_functional_op = attn_res_, attn_res
+
+
+def attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,
+              out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
+    """``torch.ops.k3fusion.attn_res_`` (the spec, in place; see
+    ``k3fusion.reference.attn_res``) after checking the arguments as given (a bool or
+    tensor ``eps``, a bool ``num_blocks`` are refused) and that no tensor it writes
+    requires grad while grad mode is on (it has no backward)."""
+    check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                        block_write_idx, out_norm_w, out_eps)
+    _check_no_grad_writes(prefix, blocks, delta, block_write_idx)
+    return torch.ops.k3fusion.attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                                        block_write_idx, out_norm_w, out_eps, out_weight_in_fp32)
+
+
+def attn_res(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=None,
+             out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
+    """``torch.ops.k3fusion.attn_res`` (functional) after checking the arguments as given."""
+    _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
+                      out_eps, eps_tensor, out_eps_tensor)
+    return torch.ops.k3fusion.attn_res(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+                                       out_norm_w, out_eps, out_weight_in_fp32, eps_tensor,
+                                       out_eps_tensor)

@@ -90,3 +90,15 @@ def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False
 
     return _dual_rms_norm_impl(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2,
                                eps1_tensor, eps2_tensor, interpreter_enabled())
+
+
+_dual_rms_norm_op = dual_rms_norm
+
+
+def dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+                  eps1_tensor=None, eps2_tensor=None):
+    """``torch.ops.k3fusion.dual_rms_norm`` after checking the arguments as given (the
+    op's schema would turn ``eps1=True`` or a 0-dim tensor into a float first)."""
+    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
+    return torch.ops.k3fusion.dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1,
+                                            weight_in_fp32_2, eps1_tensor, eps2_tensor)

@@ -115,3 +115,16 @@ def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False
       eps_tensor=None, norm_dtype=None):
     return _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name,
                                  weight_in_fp32, eps_tensor, norm_dtype)
+
+
+_latent_moe_tail_op = latent_moe_tail
+
+
+def latent_moe_tail(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
+                    eps_tensor=None, norm_dtype=None):
+    """``torch.ops.k3fusion.latent_moe_tail`` after checking the arguments as given (the
+    op's schema would turn ``eps=True`` or a 0-dim tensor into a float first)."""
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
+                weight_in_fp32)
+    return torch.ops.k3fusion.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
+                                              group_name, weight_in_fp32, eps_tensor, norm_dtype)

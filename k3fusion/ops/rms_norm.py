@@ -59,3 +59,13 @@ def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
     from k3fusion.kernels._launch import interpreter_enabled
 
     return _rms_norm_impl(x, w, eps, weight_in_fp32, norm_dtype, interpreter_enabled())
+
+
+_rms_norm_op = rms_norm
+
+
+def rms_norm(x, w, eps, weight_in_fp32=False, norm_dtype=None):
+    """``torch.ops.k3fusion.rms_norm`` after checking the arguments as given (the op's
+    schema would turn ``eps=True`` or a 0-dim tensor into a float first)."""
+    _check(x, w, eps, weight_in_fp32, norm_dtype)
+    return torch.ops.k3fusion.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
