@@ -128,7 +128,9 @@ def draws(draw):
     spellings = (spelling, other) if member == "q" else (other, spelling)
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     lead = draw(st.sampled_from([(1,), (3,), (2, 3)]))
-    return norm_mutation, member, site, spellings, dtype, lead
+    # dynamic: symbolic T, and a module's float eps becomes a 0-dim graph input
+    dynamic = draw(st.booleans())
+    return norm_mutation, member, site, spellings, dtype, lead, dynamic
 
 
 # CI: 25 draws (~20 s on 2 busy cores); HYPOTHESIS_PROFILE=dev: 300.
@@ -139,17 +141,18 @@ _SETTINGS = dict(max_examples=_EXAMPLES, deadline=None, phases=[Phase.explicit, 
                                         HealthCheck.function_scoped_fixture])
 
 
-def check_draw(norm_mutation, member, site, spellings, dtype, lead, seed=0):
+def check_draw(norm_mutation, member, site, spellings, dtype, lead, dynamic=False, seed=0):
     tokens = lead[-1]
     module = MLAFront(spellings, norm_mutation, member, site, dtype, tokens, seed).eval()
     g = torch.Generator().manual_seed(seed + 7)
     h = torch.randn(*lead, HIDDEN, generator=g).to(dtype)
-    what = f"{norm_mutation} on {member} ({spellings}), site {site}, {dtype}, {lead}"
+    what = (f"{norm_mutation} on {member} ({spellings}), site {site}, {dtype}, {lead}, "
+            f"dynamic={dynamic}")
     with torch.no_grad():
         want = module(h)
     k3fusion.reset_match_counts()
     with no_compile_caches():
-        got, be = compile_capture(module, h)  # Inductor's passes for real, no codegen
+        got, be = compile_capture(module, h, dynamic=dynamic)  # real passes, no codegen
     fused = k3fusion.match_counts().get("qkv_rmsnorm", 0)
     expect = expected_fused(norm_mutation, site, dtype)
     if expect is not None:
@@ -161,7 +164,7 @@ def check_draw(norm_mutation, member, site, spellings, dtype, lead, seed=0):
         torch._dynamo.reset()
         k3fusion.reset_match_counts()
         with torch.no_grad(), no_compile_caches():
-            got = torch.compile(module, backend="k3fusion", dynamic=False)(h)
+            got = torch.compile(module, backend="k3fusion", dynamic=dynamic)(h)
         assert k3fusion.match_counts().get("qkv_rmsnorm", 0) == 1, what
     else:
         # Left exactly as it was: what Inductor compiles is default Inductor's graph.
