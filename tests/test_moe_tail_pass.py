@@ -273,6 +273,24 @@ def test_gemma_norm_and_leaked_intermediates_refused():
         _unchanged(be)
 
 
+def test_debug_log_names_tail_near_misses_only(caplog):
+    """``K3FUSION_DEBUG``: a tail refused for a reason is logged with it; adds that are no
+    tail candidate at all (no up-projection of a norm) are not logged as misses."""
+    import logging
+
+    def fn(r, x, ws, nw, up):
+        h = _rms_hf(r, nw)
+        plain = x + x * 2                      # an add, no norm anywhere near it
+        return x @ ws.T + h @ up.T, h * 2, plain
+
+    k3fusion.set_config(debug=True)
+    with caplog.at_level(logging.INFO, logger="k3fusion"):
+        _, be, n = _fused(fn, *_inputs(lead=(2, 3)))
+    assert n == 0
+    misses = [r.getMessage() for r in caplog.records if "MoE-tail site not fused" in r.getMessage()]
+    assert len(misses) == 1 and "is also read by" in misses[0], misses
+
+
 def test_partner_computed_from_the_norm_refused():
     def fn(r, x, ws, nw, up):
         h = _rms_hf(r, nw)
