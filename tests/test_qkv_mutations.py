@@ -106,8 +106,6 @@ def expected_fused(norm_mutation: str, site: str, dtype: torch.dtype) -> bool | 
         # the norm_dtype form, which the pair kernel does not take.
         norm_ok = False
     site_ok = SITE_MUTATIONS[site][0]
-    if site == "fp32_weight" and norm_mutation in ("layernorm",):
-        norm_ok = False
     if norm_ok is False or site_ok is False:
         return False
     if norm_ok is None or site_ok is None:
