@@ -257,7 +257,7 @@ def assert_no_unfused_norm(graph: fx.Graph | fx.GraphModule, widths: Iterable[in
 
 
 def assert_close_rounding(actual: torch.Tensor, expected: torch.Tensor,
-                          ulps: int | None = None) -> None:
+                          ulps: int | None = None, rounded: torch.dtype | None = None) -> None:
     """Equal up to a few roundings of the output dtype (same dtype and shape).
 
     Outputs of the fused op may differ from eager by a few ulps: on CPU the tests run the
@@ -269,8 +269,10 @@ def assert_close_rounding(actual: torch.Tensor, expected: torch.Tensor,
     """
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
         (actual.dtype, expected.dtype, actual.shape, expected.shape)
+    # ``rounded``: a narrower dtype the values were rounded to on the way (its ulps count).
+    dtype = expected.dtype if rounded is None else rounded
     if ulps is None:
-        ulps = 8 if expected.dtype == torch.float32 else 4
-    eps = torch.finfo(expected.dtype).eps
+        ulps = 8 if dtype == torch.float32 else 4
+    eps = torch.finfo(dtype).eps
     scale = float(expected.abs().max()) if expected.numel() else 0.0
     torch.testing.assert_close(actual, expected, rtol=ulps * eps, atol=ulps * eps * scale)

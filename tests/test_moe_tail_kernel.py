@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import k3fusion
 from _kernel_paths import spy_on_launcher
 from _ptx import run_compile_script
-from _tolerances import assert_matches_reference, tail_tolerance, ulp
+from graph_utils import no_compile_caches
+from _tolerances import assert_matches_reference, dual_norm_tolerance, tail_tolerance, ulp
 from k3fusion import moe_tail, reference
 from k3fusion.config import FusionConfig
 from k3fusion.kernels import moe_tail as kernel_mod
@@ -802,3 +803,94 @@ def test_norm_dtype_casts_the_normalized_fp32_latent(scale_after):
     with pytest.raises(ValueError, match="norm_dtype"):
         launch(x, s, w, 1e-6, up, norm_dtype=torch.bfloat16, weight_in_fp32=True)
 
+
+
+# ============================================================================ the tier, compiled
+
+
+class _T5LatentNorm(torch.nn.Module):
+    """HF ``T5LayerNorm``: an fp32 input normalized in fp32, cast to the 16-bit weight's
+    dtype, then weighted -- the tail op's ``norm_dtype`` form (also what a GPU compile
+    gives where Inductor drops a latent's 16-bit round trip)."""
+
+    def __init__(self, weight: torch.nn.Parameter, eps: float):
+        super().__init__()
+        self.weight, self.variance_epsilon = weight, eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in [torch.float16, torch.bfloat16]:
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+
+def _fp32_latent_model():
+    """The tiny bf16 latent-MoE Kimi-K3 whose routed latent stays the experts' fp32 sum
+    and whose latent norm is T5's: every tail has an fp32 latent and a bf16 norm."""
+    import types
+
+    from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
+    from k3fusion.models.kimi_k3 import KimiK3LatentMoE
+
+    model = KimiK3ForCausalLM(KimiK3Config.tiny(latent_moe=True, dtype=torch.bfloat16),
+                              seed=0).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, KimiK3LatentMoE):
+                w = m.latent_norm.weight
+                w.copy_(1 + 0.1 * torch.randn(w.shape, generator=torch.Generator().manual_seed(3)))
+                m.latent_norm = _T5LatentNorm(w, m.latent_norm.eps)
+                m.routed_latent = types.MethodType(_acc, m)
+    return model
+
+
+def _acc(moe, x):
+    # KimiK3LatentMoE.routed_latent without its final `.to(x.dtype)`.
+    ids, weights = moe.route(x)
+    combine = torch.zeros(x.shape[0], moe.num_experts, dtype=torch.float32).scatter(1, ids, weights)
+    z = moe.down_proj(x)
+    acc = torch.zeros(z.shape, dtype=torch.float32)
+    for e, expert in enumerate(moe.experts):
+        acc = acc + combine[:, e:e + 1] * expert(z).float()
+    return acc
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's CPU registration")
+def test_compiled_fp32_latent_model_runs_the_forced_fused_tier_with_norm_dtype():
+    """A compiled latent-MoE model with an fp32 latent norm (T <= 16, tp = 1) with the tier
+    forced to ``tail_fusion``, here through the interpreted kernel registered for CPU: the
+    op passes ``norm_dtype`` to the implementation, which runs, and the model equals eager
+    within bf16 roundings. (Dropping ``norm_dtype`` in the tier made such GPU models crash
+    with ``dtypes must agree``; CPU never ran this path before.)"""
+    calls = []
+
+    def interpreted(routed, shared, norm_w, eps, up_w, group, weight_in_fp32,
+                    norm_dtype=None):
+        calls.append((routed.shape[0], routed.dtype, norm_dtype))
+        return launch(routed, shared, norm_w, eps, up_w, weight_in_fp32=weight_in_fp32,
+                      norm_dtype=norm_dtype)
+
+    model = _fp32_latent_model()
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))  # T = 12
+    impl = moe_tail.TailFusionImpl(
+        "test-interpreter", lambda t, h, tp, dev: None if tp == 1 and 0 < t <= 16 else "no",
+        interpreted, ("cpu",))
+    moe_tail.register_tail_fusion(impl)
+    saved = k3fusion.get_config()
+    try:
+        k3fusion.set_config(FusionConfig(moe_tail_tier="tail_fusion"))
+        torch._dynamo.reset()
+        k3fusion.reset_match_counts()
+        with torch.no_grad(), no_compile_caches():  # a cache hit would skip the pass
+            got = torch.compile(model, backend="k3fusion", dynamic=False)(ids)
+            assert k3fusion.match_counts()["moe_tail"] == model.config.num_layers
+            want = model(ids)  # eager: the model's own tail code
+    finally:
+        k3fusion.set_config(saved)
+        moe_tail.unregister_tail_fusion("test-interpreter")
+        torch._dynamo.reset()
+    assert calls == [(12, torch.float32, torch.bfloat16)] * model.config.num_layers
+    assert got.dtype == want.dtype and torch.isfinite(got).all()
+    # Logits after two bf16 layers (the interpreter truncates bf16 casts): bf16 roundings.
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)

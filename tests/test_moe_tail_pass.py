@@ -9,7 +9,7 @@
 * the tiny Kimi-K3 with latent MoE (+ AttnRes) through real Inductor (``backend="k3fusion"``);
 * tp=2 and tp=4 over gloo (spawned ranks): a compiled tail equals the eager tail and the
   pass matched it once per rank; a tail whose reduced routed latent is read elsewhere is
-  refused.
+  refused, and so are tails with a ``"max"`` all-reduce or two different process groups.
 """
 
 from __future__ import annotations
@@ -273,6 +273,24 @@ def test_gemma_norm_and_leaked_intermediates_refused():
         _unchanged(be)
 
 
+def test_debug_log_names_tail_near_misses_only(caplog):
+    """``K3FUSION_DEBUG``: a tail refused for a reason is logged with it; adds that are no
+    tail candidate at all (no up-projection of a norm) are not logged as misses."""
+    import logging
+
+    def fn(r, x, ws, nw, up):
+        h = _rms_hf(r, nw)
+        plain = x + x * 2                      # an add, no norm anywhere near it
+        return x @ ws.T + h @ up.T, h * 2, plain
+
+    k3fusion.set_config(debug=True)
+    with caplog.at_level(logging.INFO, logger="k3fusion"):
+        _, be, n = _fused(fn, *_inputs(lead=(2, 3)))
+    assert n == 0
+    misses = [r.getMessage() for r in caplog.records if "MoE-tail site not fused" in r.getMessage()]
+    assert len(misses) == 1 and "is also read by" in misses[0], misses
+
+
 def test_partner_computed_from_the_norm_refused():
     def fn(r, x, ws, nw, up):
         h = _rms_hf(r, nw)
@@ -389,6 +407,70 @@ def test_gloo_compiled_tail_equals_eager(world):
     """tp = 2 and 4: on every rank the compiled tail (one match, the group read from the
     graph) equals the eager tail; a tail whose reduced latent leaks is refused."""
     _check_ranks(run_ranks(_tail_on_rank, world))
+
+
+def _near_misses_on_rank(rank: int, world: int, group) -> dict:
+    """Tails whose all-reduces are not one ``"sum"`` over one group: not the op's math
+    (the op sums both operands over one group). Each must be left alone, equal to eager."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from k3fusion.models.kimi_k3 import KimiK3LatentMoE
+
+    torch.manual_seed(0)  # same replicated weights on every rank
+    moe = KimiK3LatentMoE(KimiK3Config.tiny(latent_moe=True, dtype=torch.float32),
+                          tp_group=group).eval()
+    # Same ranks, another communicator: a different group name in the graph.
+    other = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(100 + rank)  # per-rank partials
+    r, s = torch.randn(5, L, generator=g), torch.randn(5, H, generator=g)
+
+    def ar(x, op, grp):
+        return funcol.wait_tensor(funcol.all_reduce(x, op, grp))
+
+    def max_routed(r, s):  # the routed latent reduced with "max"
+        return ar(s, "sum", group) + moe.up_proj(moe.latent_norm(ar(r, "max", group)))
+
+    def max_shared(r, s):  # the shared partial reduced with "max"
+        return ar(s, "max", group) + moe.up_proj(moe.latent_norm(ar(r, "sum", group)))
+
+    def two_groups(r, s):  # each operand summed over its own group
+        return ar(s, "sum", other) + moe.up_proj(moe.latent_norm(ar(r, "sum", group)))
+
+    result = {}
+    for fn in (max_routed, max_shared, two_groups):
+        torch._dynamo.reset()
+        k3fusion.reset_match_counts()
+        with no_compile_caches():
+            out, be = compile_capture(fn, r, s)
+        with torch.no_grad():
+            want = fn(r, s)
+        result[fn.__name__] = dict(
+            matches=k3fusion.match_counts().get("moe_tail", 0),
+            tail_ops=count_op(be.graph_after, TAIL),
+            equal=bool(torch.equal(out, want)),
+            # how far the fused (summed) tail would be: the near miss must be a real one
+            summed_err=float((want - reference.latent_moe_tail(
+                r, s, moe.latent_norm.weight, moe.latent_norm.eps, moe.up_proj.weight,
+                group)).abs().max()))
+    dist.destroy_process_group(other)
+    return result
+
+
+def test_gloo_non_sum_or_two_group_tails_are_refused():
+    """tp = 2 over gloo: a tail with an ``all_reduce(..., "max")`` (routed or shared), or
+    with its two all-reduces over different process groups, is not fused (0 matches, no
+    op in the graph) and the compiled output equals eager bit for bit. The pattern's
+    refusal, checked for real: with the reduce-op or group check removed, these fuse and
+    are wrong (``summed_err``: what the op's sum would give instead)."""
+    results = run_ranks(_near_misses_on_rank, 2)
+    for rank, res in enumerate(results):
+        for name, r in res.items():
+            assert r["matches"] == 0 and r["tail_ops"] == 0, (rank, name, r)
+            assert r["equal"], (rank, name, r)
+    # The "max" tails differ from the summed one (so a misfire would show).
+    assert all(res[n]["summed_err"] > 0.1 for res in results
+               for n in ("max_routed", "max_shared")), results
 
 
 @pytest.mark.cuda

@@ -425,10 +425,36 @@ def test_chained_norms_not_paired():
     h = _hidden((6, HIDDEN), scale=0.5)
     with torch.no_grad():
         expected = chained(h)
-    out, be = compile_capture(chained, h)
+    k3fusion.set_config(debug=True)
+    with _capture_k3fusion_log() as msgs:
+        out, be = compile_capture(chained, h)
     _assert_untouched(be, rsqrt=2)
     for a, b in zip(out, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # The debug log names each norm once, with its own reason (the first: its dependant;
+    # the second: no partner left).
+    not_fused = sorted(m for m in msgs if "not fused" in m)
+    assert len(not_fused) == 2, not_fused
+    assert sum("depends on it" in m for m in not_fused) == 1, not_fused
+    assert sum("no other norm" in m for m in not_fused) == 1, not_fused
+    assert len({m.split(" (x=")[0] for m in not_fused}) == 2, not_fused
+
+
+class _capture_k3fusion_log:
+    """The k3fusion logger's messages at INFO, as a list filled while in the block."""
+
+    def __enter__(self):
+        self.msgs, self.logger = [], logging.getLogger("k3fusion")
+        self.handler = logging.Handler(logging.INFO)
+        self.handler.emit = lambda record: self.msgs.append(record.getMessage())
+        self.level = self.logger.level
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+        return self.msgs
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
 
 
 def test_intermediate_used_elsewhere_not_fused():
