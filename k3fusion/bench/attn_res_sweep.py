@@ -676,6 +676,45 @@ def selection_check(result: dict) -> list[dict]:
     return rows
 
 
+def heatmap(result: dict, path: Path) -> None:
+    """PNG of default Inductor's time over the chosen shape's (:func:`selection_check`) per
+    (H, nb, T): one panel per width, block counts down, token counts across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = {(r["H"], r["nb"], r["T"]): r for r in selection_check(result)}
+    hiddens, blocks, tokens = result["hiddens"], result["num_blocks"], result["tokens"]
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(4.2 * len(hiddens), 4.6), squeeze=False)
+    for ax, H in zip(axes[0], hiddens):
+        grid = np.full((len(blocks), len(tokens)), np.nan)
+        for i, nb in enumerate(blocks):
+            for j, T in enumerate(tokens):
+                r = rows.get((H, nb, T))
+                ratio = r and _ratio(r["inductor_us"], r["chosen_us"])
+                if ratio:
+                    grid[i, j] = ratio
+                    ax.text(j, i, f"{ratio:.1f}", ha="center", va="center", fontsize=8,
+                            color="black" if ratio > 2.5 else "white")
+                    if ratio < 2:  # below the issue's 2x: outlined
+                        ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
+                                                   edgecolor="red", linewidth=2))
+        im = ax.imshow(grid, cmap="viridis", vmin=1, vmax=8, aspect="auto")
+        ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set_yticks(range(len(blocks)), [str(nb) for nb in blocks])
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("completed blocks")
+        ax.set_title(f"H {H}")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8,
+                 label="default Inductor us / k3fusion us (red: below 2x)")
+    fig.suptitle(f"AttnRes step, k3fusion's chosen launch vs default Inductor "
+                 f"({result.get('gpu')}, {result.get('date')}, bf16)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def _ratio(a, b):
     return a / b if a and b else None
 
@@ -722,12 +761,16 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", help="override the token counts")
     p.add_argument("--tables-from", type=Path, metavar="JSON",
                    help="only print the tables of an earlier run's attn_res_sweep.json")
+    p.add_argument("--heatmap", type=Path, metavar="PNG",
+                   help="with --tables-from: also draw the k3fusion-vs-Inductor heat map")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="no new Inductor compiles after this many seconds of the sweep")
     args = p.parse_args(argv)
     if args.tables_from:
         result = json.loads(args.tables_from.read_text())
         print(selection_table(result) + "\n\n" + point_table(result))
+        if args.heatmap:
+            heatmap(result, args.heatmap)
         return 0
     if args.dry_run:
         # Triton reads this when k3fusion's kernels are decorated, i.e. before this module
