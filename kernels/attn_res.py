@@ -17,7 +17,9 @@ Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Per 
    prefix dtype before the weight multiply; ``OUT_WEIGHT_IN_FP32`` does not).
 
 Two kernels (the four feature switches are constexpr in both, so dead code compiles out):
-the split kernel for a few tokens, the row kernel for more:
+the split kernel for a few tokens, the row kernel for more -- which one, and its tile, by
+(T, H, completed blocks, dtype) from the measured :data:`LAUNCH_TABLE`, else the rule in
+:func:`pick_launch_shape`:
 
 * **split** (T <= :data:`SPLIT_MAX_TOKENS`): ``cdiv(H, CHUNK)`` programs per token, each
   holding its ``CHUNK`` columns of *every* source in registers at once (a ``[S_PAD,
@@ -126,7 +128,8 @@ LOOP_SMEM_BYTES = 160 * 1024
 #: docs/benchmarks.md): 7.09 -> 6.81 us at T = 1, 8.96 -> 8.17 at 16, 9.00 -> 8.23 at 32,
 #: 9.87 -> 9.37 at 64, 10.7 -> 10.6 at 96, but 11.4 -> 11.7 at 128.
 EARLY_TILE_MAX_TOKENS = 64
-#: Up to this many tokens the split kernel runs (``split_max_tokens`` overrides; 0: never).
+#: Up to this many tokens the rule runs the split kernel (``split_max_tokens`` overrides;
+#: 0: never); :data:`LAUNCH_TABLE`'s first token edge.
 #: Measured on the H200 (bf16, H = 7168, 9 sources, two runs of medians of 5;
 #: docs/benchmarks.md): 6.04-6.26 us at T = 1 against the row kernel's 6.77-6.88,
 #: 6.48-6.60 against 6.82-6.97 at 2, 6.53-6.73 against 6.83-6.99 at 4, 6.68-6.79 against

@@ -228,3 +228,15 @@ def test_compiled_and_eager_paths_pick_the_same_launch(monkeypatch, H: int, nb: 
     assert calls and calls == compiled_calls[-len(calls):]
     (question, shape), = calls
     assert question == (T, H, nb, 2) and shape == table_shape(T, H, nb)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H", [2048, 4096, 7168])
+def test_selected_launches_match_the_spec_at_the_sweeps_sizes(H: int) -> None:
+    """On the GPU, the launcher's own choice at the sweep's widths, every block count, in
+    every token bucket (both sides of each edge): delta, block write, output norm, bf16."""
+    for T in (1, 12, 13, 64, 65, 255, 256):
+        for nb in range(9):
+            c = replace(_K3, T=T, H=H, nb_max=9, num_blocks=nb, write_idx=8)
+            assert pick_launch_shape(T, H, nb) == table_shape(T, H, nb)
+            run_and_check(c, seed=T * 16 + nb)

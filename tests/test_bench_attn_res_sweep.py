@@ -114,3 +114,13 @@ def test_dry_run_chosen_only(tmp_path, capsys) -> None:
     assert p["previous"] == "solo4" and p["previous_us"] is not None
     assert p["default"] == "r8x4e" and p["public_form_us"] is not None
     assert all(sweep.is_public_form(v["kw"]) for v in list(p["variants"].values())[2:])
+
+
+def test_heatmap_from_the_committed_sweep(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "docs" / "attn_res_decode_sweep.json"
+    out = tmp_path / "h.png"
+    assert sweep.main(["--tables-from", str(src), "--heatmap", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

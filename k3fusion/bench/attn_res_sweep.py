@@ -797,6 +797,10 @@ def main(argv=None) -> int:
                                   else CHOSEN_INDUCTOR_BLOCKS if args.chosen_only else None))
     tables = selection_table(result) + "\n\n" + point_table(result) + "\n"
     (args.out / "attn_res_sweep.md").write_text(tables)
+    try:
+        heatmap(result, args.out / "attn_res_sweep_heatmap.png")
+    except ImportError as e:  # matplotlib: the bench extra
+        print(f"no heat map ({e})")
     print(f"\nsweep took {result['seconds']:.0f} s; raw: {args.out / 'attn_res_sweep.json'}")
     print(tables)
     return 0
