@@ -69,7 +69,7 @@ ROW_WARPS = (4, 8, 16)
 #: The row kernel's pipelined (prefill) shapes: (sources per tile, warps, stages).
 ROW_PIPELINED = ((1, 4, 3), (1, 8, 3), (2, 8, 3))
 #: The split kernel's (columns per program, warps).
-SPLIT_SHAPES = ((512, 4), (1024, 4), (2048, 8))
+SPLIT_SHAPES = ((512, 4), (1024, 4), (2048, 8), (4096, 16))
 SOLO_WARPS = (4, 8, 16)
 #: Most source-tile elements per thread a candidate (but the defaults) may hold: past it
 #: the tile spills (and ptxas takes long to say so); the early tile of all 8 blocks at
