@@ -17,7 +17,9 @@ Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Per 
    prefix dtype before the weight multiply; ``OUT_WEIGHT_IN_FP32`` does not).
 
 Two kernels (the four feature switches are constexpr in both, so dead code compiles out):
-the split kernel for a few tokens, the row kernel for more:
+the split kernel for a few tokens, the row kernel for more -- which one, and its tile, by
+(T, H, completed blocks, dtype) from the measured :data:`LAUNCH_TABLE`, else the rule in
+:func:`pick_launch_shape`:
 
 * **split** (T <= :data:`SPLIT_MAX_TOKENS`): ``cdiv(H, CHUNK)`` programs per token, each
   holding its ``CHUNK`` columns of *every* source in registers at once (a ``[S_PAD,
@@ -88,6 +90,7 @@ dim 0 has a block stride of ``T * H``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +103,8 @@ from ._launch import (cdiv, check_launchable, counter_buffer, interpreter_enable
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
            "SPLIT_CHUNK", "SPLIT_MAX_PROGRAMS", "SPLIT_MAX_SOURCES", "PREFILL_LOOP_STAGES",
-           "EARLY_TILE_MAX_TOKENS"]
+           "EARLY_TILE_MAX_TOKENS", "LAUNCH_TABLE", "TILE_MAX_PER_THREAD", "table_shape",
+           "parse_shape"]
 
 #: From this many tokens on, the row kernel uses its prefill shape. Measured on the H200
 #: (bf16, H = 7168, 9 sources; docs/benchmarks.md): the decode shape 4x16 (unpipelined)
@@ -124,7 +128,8 @@ LOOP_SMEM_BYTES = 160 * 1024
 #: docs/benchmarks.md): 7.09 -> 6.81 us at T = 1, 8.96 -> 8.17 at 16, 9.00 -> 8.23 at 32,
 #: 9.87 -> 9.37 at 64, 10.7 -> 10.6 at 96, but 11.4 -> 11.7 at 128.
 EARLY_TILE_MAX_TOKENS = 64
-#: Up to this many tokens the split kernel runs (``split_max_tokens`` overrides; 0: never).
+#: Up to this many tokens the rule runs the split kernel (``split_max_tokens`` overrides;
+#: 0: never); :data:`LAUNCH_TABLE`'s first token edge.
 #: Measured on the H200 (bf16, H = 7168, 9 sources, two runs of medians of 5;
 #: docs/benchmarks.md): 6.04-6.26 us at T = 1 against the row kernel's 6.77-6.88,
 #: 6.48-6.60 against 6.82-6.97 at 2, 6.53-6.73 against 6.83-6.99 at 4, 6.68-6.79 against
@@ -146,6 +151,38 @@ SPLIT_MAX_GRID_Y = 65535
 SPLIT_MAX_SOURCES = 32
 #: What the programs of one token add to its launch counter per launch (> programs per token).
 SYNC_EPOCH = tl.constexpr(1 << 16)
+#: Most source-tile elements per thread a shape of :data:`LAUNCH_TABLE` may hold (rows of
+#: the tile x its width / threads): past it the tile spills. The sweep's bound too.
+TILE_MAX_PER_THREAD = 128
+
+#: The automatic launch shape, measured: docs/benchmarks.md#attnres-launch-selection-sweep-issue-20
+#: Keyed by the most bytes of a padded row (``next_power_of_2(H) * element size``, so fp32
+#: at H 2048 takes bf16's H 4096 row: the same bytes per thread in flight, half the
+#: registers); rows ``(most tokens, shapes for 0, 1, ..., 8 completed blocks)``, the first
+#: row with ``T <= most tokens`` applies (``None``: any T). Shapes are named as the sweep names them:
+#: ``r<sources per tile>x<warps>`` the row kernel (``e``: first tile early, ``p<N>``:
+#: source loop pipelined N deep), ``solo<warps>`` the split kernel's one program per
+#: token, ``s<chunk>x<warps>`` the split kernel. Wider rows, more blocks, a shape past
+#: :data:`TILE_MAX_PER_THREAD` or outside the kernels' limits: the rule of
+#: :func:`pick_launch_shape` (``use_table=False``).
+LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
+    4 * 1024: (  # bf16/fp16 H <= 2048, fp32 H <= 1024
+        (64, "r1x4e r1x4e r2x4e r4x4e r4x4e r8x4e solo4 solo4 r8x4e"),
+        (255, "r1x8 r1x8 r2x8 r4x8 r4x4 solo4 solo4 solo4 r8x8"),
+        (None, "r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3"),
+    ),
+    8 * 1024: (  # bf16/fp16 H <= 4096, fp32 H <= 2048
+        (64, "solo8 solo8 solo8 solo8 r4x8e solo8 solo8 solo8 r8x8e"),
+        (255, "solo8 solo8 solo8 solo8 solo8 solo8 solo8 solo8 r8x8"),
+        (None, "solo16 solo16 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3"),
+    ),
+    16 * 1024: (  # bf16/fp16 H <= 8192 (7168), fp32 H <= 4096
+        (12, "solo16 solo16 solo8 solo8 r4x8e s1024x4 s1024x4 s1024x4 s1024x4"),
+        (64, "solo16 solo16 solo8 solo8 r4x8e r4x8e r4x8e r4x8e r4x8e"),
+        (255, "solo16 solo16 solo8 solo8 r4x8 r2x8p3 r2x8p3 r2x8p3 r2x8p3"),
+        (None, "solo16 solo16 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3"),
+    ),
+}
 
 
 # ---------------------------------------------------------------------- shared pieces
@@ -530,12 +567,69 @@ class LaunchShape:
     early_tile: bool = False
 
 
+_LABEL = re.compile(r"r(\d+)x(\d+)(e?)(?:p(\d+))?|solo(\d+)|s(\d+)x(\d+)")
+
+
+def parse_shape(name: str, H: int) -> LaunchShape:
+    """The :class:`LaunchShape` a :data:`LAUNCH_TABLE` name means at width ``H``."""
+    m = _LABEL.fullmatch(name)
+    if m is None:
+        raise ValueError(f"not a launch shape name: {name!r}")
+    spt, warps, early, stages, solo, chunk, split_warps = m.groups()
+    block_h = triton.next_power_of_2(max(H, 1))
+    if solo:
+        return LaunchShape("split", int(solo), block_h, chunk=block_h)
+    if chunk:
+        return LaunchShape("split", int(split_warps), block_h, chunk=min(int(chunk), block_h))
+    return LaunchShape("row", int(warps), block_h, sources_per_tile=int(spt),
+                       loop_stages=int(stages or 1), early_tile=bool(early))
+
+
+def tile_rows(shape: LaunchShape, num_blocks: int) -> int:
+    """Rows of the source tile a program of ``shape`` holds in registers."""
+    if shape.kind == "row":
+        return shape.sources_per_tile
+    return max(2, triton.next_power_of_2(num_blocks + 1))
+
+
+def table_shape(T: int, H: int, num_blocks: int, element_size: int = 2) -> LaunchShape | None:
+    """The :data:`LAUNCH_TABLE` shape for this point, or None where the table does not
+    apply: a row wider than its widest key, more blocks than its columns, a shape the
+    kernels cannot launch here (the split kernel's grid and source limits, its PTX exchange
+    on NVIDIA only, the pipeline's shared memory) or past :data:`TILE_MAX_PER_THREAD`."""
+    row_bytes = triton.next_power_of_2(max(H, 1)) * element_size
+    key = next((k for k in sorted(LAUNCH_TABLE) if row_bytes <= k), None)
+    if key is None or not 0 <= num_blocks:
+        return None
+    names = next(row for most, row in LAUNCH_TABLE[key] if most is None or T <= most).split()
+    if num_blocks >= len(names):
+        return None
+    shape = parse_shape(names[num_blocks], H)
+    width = shape.chunk or shape.block_h
+    if tile_rows(shape, num_blocks) * width > TILE_MAX_PER_THREAD * 32 * shape.num_warps:
+        return None
+    if shape.kind == "split":
+        n_chunks = cdiv(H, shape.chunk)
+        if (T > SPLIT_MAX_GRID_Y or T * n_chunks > SPLIT_MAX_PROGRAMS
+                or num_blocks + 1 > SPLIT_MAX_SOURCES
+                or (n_chunks > 1 and torch.version.hip is not None)):
+            return None
+    elif ((shape.loop_stages - 1) * shape.sources_per_tile * shape.block_h * element_size
+          > LOOP_SMEM_BYTES):
+        return None
+    return shape
+
+
 def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | None = None,
                       sources_per_tile: int = 0, num_warps: int = 0, kind: str = "auto",
                       chunk: int = 0, split_max_tokens: int | None = None,
                       loop_stages: int = 0, element_size: int = 2,
-                      early_tile: bool | None = None) -> LaunchShape:
+                      early_tile: bool | None = None, use_table: bool = True) -> LaunchShape:
     """Launch shape for ``T`` tokens of width ``H`` with ``num_blocks`` completed blocks.
+
+    Without overrides: the measured :data:`LAUNCH_TABLE` (:func:`table_shape`) where it
+    applies. Otherwise (or with ``use_table=False``, or any of the override arguments
+    below given) the rule:
 
     * split kernel for ``T <= split_max_tokens`` (default :data:`SPLIT_MAX_TOKENS`) and
       at most :data:`SPLIT_MAX_SOURCES` sources: :data:`SPLIT_CHUNK` columns per program
@@ -557,6 +651,12 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
     """
     if kind not in ("auto", "split", "row"):
         raise ValueError(f"kind must be 'auto', 'split' or 'row', got {kind!r}")
+    if use_table and kind == "auto" and not (
+            prefill_tokens is not None or sources_per_tile or num_warps or chunk
+            or split_max_tokens is not None or loop_stages or early_tile is not None):
+        shape = table_shape(T, H, num_blocks, element_size)
+        if shape is not None:
+            return shape
     block_h = triton.next_power_of_2(max(H, 1))
     if kind == "auto":
         most = SPLIT_MAX_TOKENS if split_max_tokens is None else split_max_tokens
@@ -627,6 +727,7 @@ def attn_res(
     split_phases: bool = False,
     loop_stages: int = 0,
     early_tile: bool | None = None,
+    use_table: bool = True,
 ) -> None:
     """Launch the AttnRes kernel on row views.
 
@@ -638,8 +739,8 @@ def attn_res(
 
     Arguments are validated by the caller (``k3fusion.ops``); this only checks what the
     kernel itself needs. ``prefill_tokens``, ``sources_per_tile``, ``num_warps``,
-    ``kind``, ``chunk`` and ``split_max_tokens`` override :func:`pick_launch_shape`
-    (benchmark sweeps, tests); ``split_phases`` runs the split kernel as separate launches
+    ``kind``, ``chunk``, ``split_max_tokens``, ``loop_stages``, ``early_tile`` and
+    ``use_table`` override :func:`pick_launch_shape` (benchmark sweeps, tests); ``split_phases`` runs the split kernel as separate launches
     (one launch per phase, three with an output norm: what the interpreter always does;
     a GPU test compares the two forms).
     """
@@ -664,7 +765,7 @@ def attn_res(
                               sources_per_tile=sources_per_tile, num_warps=num_warps,
                               kind=kind, chunk=chunk, split_max_tokens=split_max_tokens,
                               loop_stages=loop_stages, element_size=blocks.element_size(),
-                              early_tile=early_tile)
+                              early_tile=early_tile, use_table=use_table)
     has_delta = delta is not None
     has_norm = out_norm_w is not None
     common = (

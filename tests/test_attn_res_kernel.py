@@ -161,10 +161,13 @@ class Case:
     log2_scale: int      # inputs ~ N(0, 1) * 2**log2_scale
     sources_per_tile: int = 0  # > 0: the row kernel with this tile height
     chunk: int = 0             # > 0: the split kernel with this chunk (else pick_launch_shape)
+    launch: tuple = ()         # launcher keyword arguments as (name, value) pairs: all of them
 
     @property
     def shape(self) -> dict:
         """The launcher's shape arguments for this case."""
+        if self.launch:
+            return dict(self.launch)
         if self.chunk:
             return {"kind": "split", "chunk": self.chunk}
         if self.sources_per_tile:

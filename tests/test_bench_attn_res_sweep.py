@@ -19,7 +19,8 @@ def test_candidates_cover_the_kernels_forms() -> None:
     its tile fits the register bound; the pipelined shapes only from T = 128."""
     c = sweep.candidates(1, 2048, 8)
     names = list(c)
-    assert names[0] == "s1024x4"  # today's default at T = 1
+    # the launch table's choice first, then the previous rule's (the split kernel at T = 1)
+    assert names[:2] == ["r8x4e", "s1024x4"] and c["s1024x4"] == {"use_table": False}
     assert {"s512x4", "solo8", "r4x16e", "r4x16", "r16x8e"} <= set(names)
     assert not any("p3" in n for n in names)
     assert not any(n.startswith("solo") for n in sweep.candidates(1, 7168, 8))
@@ -80,3 +81,46 @@ def test_precompile_pool_runs_its_tasks_in_workers() -> None:
     runs a task and reports no error; a task past the timeout is reported, not waited on."""
     errors = sweep.precompile((16,), (1,), (1,), False, 1, device="cpu")
     assert errors == {}, errors
+
+
+def test_chosen_only_times_the_choice_the_previous_default_and_the_public_form() -> None:
+    """``--chosen-only``: the table's shape, the rule's (previous default), and the public
+    kernel's form -- nothing else; its default sizes cover the issue's table and T = 1 at
+    every block count, in well under the full sweep's time."""
+    for T, H, nb in ((1, 7168, 8), (128, 2048, 1), (4096, 7168, 8), (1, 4096, 5)):
+        full, chosen = sweep.candidates(T, H, nb), sweep.candidates(T, H, nb, chosen_only=True)
+        names = list(chosen)
+        assert names[0] == list(full)[0] and sweep.previous_default(T, H, nb) in chosen
+        assert all(sweep.is_public_form(kw) for kw in list(chosen.values())[2:])
+        assert {n for n, kw in full.items() if sweep.is_public_form(kw)} <= set(chosen)
+    issue = {(2048, 1, 1), (2048, 4, 1), (2048, 8, 1), (2048, 1, 128), (4096, 1, 1),
+             (4096, 4, 1), (4096, 8, 1), (7168, 1, 1), (7168, 4, 1), (7168, 8, 1),
+             (7168, 8, 128), (7168, 8, 4096)}
+    c = sweep.CHOSEN
+    assert issue <= {(H, nb, T) for H in c["hiddens"] for nb in c["num_blocks"]
+                     for T in c["tokens"]}
+    assert {nb for _, nb, _ in issue} <= set(sweep.CHOSEN_INDUCTOR_BLOCKS)
+    plan = sweep.estimate(*c.values(), True, True, sweep.CHOSEN_INDUCTOR_BLOCKS)
+    assert plan["estimated_timing_s"] < 60, plan
+
+
+@pytest.mark.skipif(not _kernels_are_interpreted(), reason="the dry run is the CPU form")
+def test_dry_run_chosen_only(tmp_path, capsys) -> None:
+    assert sweep.main(["--dry-run", "--chosen-only", "--out", str(tmp_path), "--num-blocks",
+                       "5", "--tokens", "1", "--inductor-blocks", "4"]) == 0
+    result = json.loads((tmp_path / "attn_res_sweep.json").read_text())
+    (p,) = result["points"]
+    assert result["chosen_only"] and "inductor_us" not in p  # Inductor at 4 blocks only
+    assert p["previous"] == "solo4" and p["previous_us"] is not None
+    assert p["default"] == "r8x4e" and p["public_form_us"] is not None
+    assert all(sweep.is_public_form(v["kw"]) for v in list(p["variants"].values())[2:])
+
+
+def test_heatmap_from_the_committed_sweep(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "docs" / "attn_res_decode_sweep.json"
+    out = tmp_path / "h.png"
+    assert sweep.main(["--tables-from", str(src), "--heatmap", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

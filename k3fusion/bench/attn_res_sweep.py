@@ -52,6 +52,10 @@ HIDDENS = (2048, 4096, 7168)
 NUM_BLOCKS = tuple(range(9))
 TOKENS = (1, 8, 32, 128, 512, 4096)
 QUICK = dict(hiddens=(2048, 7168), num_blocks=(1, 4, 8), tokens=(1, 32, 512))
+#: ``--chosen-only``'s sizes: every width and block count at the issue's token counts.
+CHOSEN = dict(hiddens=HIDDENS, num_blocks=NUM_BLOCKS, tokens=(1, 128, 4096))
+#: ... with default Inductor at the issue table's block counts only (its compiles dominate).
+CHOSEN_INDUCTOR_BLOCKS = (1, 4, 8)
 #: Tiny sizes for ``--dry-run`` (CPU interpreter): a width below a power of two, both sides
 #: of the T thresholds in :func:`candidates`.
 DRY = dict(hiddens=(48,), num_blocks=(0, 5), tokens=(1, 3))
@@ -65,11 +69,12 @@ ROW_WARPS = (4, 8, 16)
 #: The row kernel's pipelined (prefill) shapes: (sources per tile, warps, stages).
 ROW_PIPELINED = ((1, 4, 3), (1, 8, 3), (2, 8, 3))
 #: The split kernel's (columns per program, warps).
-SPLIT_SHAPES = ((512, 4), (1024, 4), (2048, 8))
+SPLIT_SHAPES = ((512, 4), (1024, 4), (2048, 8), (4096, 16))
 SOLO_WARPS = (4, 8, 16)
-#: Most source-tile elements per thread a candidate (but the default) may hold: past it
+#: Most source-tile elements per thread a candidate (but the defaults) may hold: past it
 #: the tile spills (and ptxas takes long to say so); the early tile of all 8 blocks at
-#: H 7168 was already slower at 64 per thread (docs/benchmarks.md).
+#: H 7168 was already slower at 64 per thread (docs/benchmarks.md). The launch table's
+#: bound too (``kernels.attn_res.TILE_MAX_PER_THREAD``, equal: a test checks).
 MAX_PER_THREAD = 128
 #: Bytes-only kernel shapes: (columns per program, 0 = the whole row; warps).
 BYTES_ONLY_SHAPES = ((0, 4), (0, 8), (0, 16), (1024, 4), (512, 4))
@@ -94,22 +99,42 @@ def label(shape) -> str:
     return f"s{shape.chunk}x{shape.num_warps}"
 
 
-def candidates(T: int, H: int, nb: int) -> dict[str, dict]:
-    """``{label: launcher keyword arguments}`` timed at one point; the first is the default."""
+def previous_default(T: int, H: int, nb: int) -> str:
+    """Label of the shape the rule before the launch table picks (``use_table=False``)."""
+    from k3fusion.kernels.attn_res import pick_launch_shape
+
+    return label(pick_launch_shape(T, H, nb, use_table=False))
+
+
+def is_public_form(kw: dict) -> bool:
+    """The public kernel's form (one program per token, a few sources per tile, online
+    softmax, 4-8 warps): the issue's reference point, in this repo's row kernel."""
+    return (kw.get("kind") == "row" and kw.get("sources_per_tile", 0) <= 4
+            and kw.get("num_warps") in (4, 8) and kw.get("loop_stages") == 1)
+
+
+def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, dict]:
+    """``{label: launcher keyword arguments}`` timed at one point; the first is the default
+    (``pick_launch_shape``: the launch table), the second the previous default (its rule,
+    ``use_table=False``) where it differs. ``chosen_only``: those two and the public
+    kernel's form (:func:`is_public_form`) only."""
     from k3fusion.kernels.attn_res import pick_launch_shape
 
     out: dict[str, dict] = {}
 
     block_h, sources = _pow2(H), _pow2(nb + 1)
 
-    def add(kw: dict, rows: int = 0) -> None:
+    def add(kw: dict, rows: int = 0, bounded: bool = True) -> None:
         shape = pick_launch_shape(T, H, nb, **kw)
         width = shape.chunk or shape.block_h
-        if out and rows * width > MAX_PER_THREAD * 32 * shape.num_warps:
+        if bounded and rows * width > MAX_PER_THREAD * 32 * shape.num_warps:
+            return
+        if chosen_only and bounded and not is_public_form(kw):
             return
         out.setdefault(label(shape), kw)
 
-    add({})
+    add({}, bounded=False)
+    add({"use_table": False}, bounded=False)
     if T <= 32:
         for chunk, w in SPLIT_SHAPES:
             if chunk < block_h:
@@ -136,14 +161,15 @@ def candidates(T: int, H: int, nb: int) -> dict[str, dict]:
     return out
 
 
-def all_candidates(hiddens, num_blocks, tokens) -> dict[tuple[int, int], dict[str, dict]]:
+def all_candidates(hiddens, num_blocks, tokens, chosen_only: bool = False
+                   ) -> dict[tuple[int, int], dict[str, dict]]:
     """Per ``(H, nb)``: the union over T of :func:`candidates` (what the workers compile)."""
     union = {}
     for H in hiddens:
         for nb in num_blocks:
             merged: dict[str, dict] = {}
             for T in tokens:
-                for name, kw in candidates(T, H, nb).items():
+                for name, kw in candidates(T, H, nb, chosen_only).items():
                     merged.setdefault(name, kw)
             union[(H, nb)] = merged
     return union
@@ -391,15 +417,17 @@ def _precompile(task):
 
 
 def precompile(hiddens, num_blocks, tokens, inductor: bool, jobs: int,
-               device: str = "cuda", timeout_s: float = 240.0) -> dict:
+               device: str = "cuda", timeout_s: float = 240.0, chosen_only: bool = False,
+               inductor_blocks=None) -> dict:
     """Compile every candidate (and Inductor's graphs) once, in ``jobs`` spawned worker
     processes (0: in this process), so that the timed loop only loads cached binaries."""
     import multiprocessing as mp
 
-    union = all_candidates(hiddens, num_blocks, tokens)
+    union = all_candidates(hiddens, num_blocks, tokens, chosen_only)
     # Inductor first: its compiles are the long ones.
     tasks = [("inductor", H, nb, inductor_order(tokens), device) for H in hiddens
-             for nb in num_blocks] if inductor else []
+             for nb in num_blocks if inductor_blocks is None or nb in inductor_blocks
+             ] if inductor else []
     tasks += [("kernels", H, nb, union[(H, nb)], device) for H in hiddens for nb in num_blocks]
     start, errors = time.perf_counter(), {}
     if jobs == 0:
@@ -443,7 +471,7 @@ def inductor_order(tokens) -> list[int]:
 
 
 def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: Path,
-        budget_s: float, jobs: int) -> dict:
+        budget_s: float, jobs: int, chosen_only: bool = False, inductor_blocks=None) -> dict:
     import torch
 
     from .common import environment
@@ -453,7 +481,8 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
     device = "cpu" if dry_run else "cuda"
     result = {"bench": "attn_res_sweep", "hiddens": list(hiddens),
               "num_blocks": list(num_blocks), "tokens": list(tokens), "dry_run": dry_run,
-              "inductor": inductor, "out_ulps_bound": OUT_ULPS, "points": [],
+              "inductor": inductor, "chosen_only": chosen_only, "out_ulps_bound": OUT_ULPS,
+              "points": [],
               "precompile_errors": {}}
     if dry_run:
         import triton
@@ -461,14 +490,16 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
                       torch=torch.__version__, triton=triton.__version__)
     else:
         result.update(environment())
-    plan = estimate(hiddens, num_blocks, tokens, inductor)
+    plan = estimate(hiddens, num_blocks, tokens, inductor, chosen_only, inductor_blocks)
     result["plan"] = plan
     print(f"plan: {plan}", flush=True)
     if not dry_run:
-        result["precompile_errors"] = precompile(hiddens, num_blocks, tokens, inductor, jobs)
+        result["precompile_errors"] = precompile(hiddens, num_blocks, tokens, inductor, jobs,
+                                                 chosen_only=chosen_only,
+                                                 inductor_blocks=inductor_blocks)
     else:  # the worker's code, in this process, on the kernels only (no C++ compiler needed)
         result["precompile_errors"] = precompile(hiddens, num_blocks[:1], tokens[:1], False, 0,
-                                                 device)
+                                                 device, chosen_only=chosen_only)
 
     def timer(fn, sets, T):
         if dry_run:
@@ -488,16 +519,18 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
                 for s in sets[T]:
                     s[0].normal_()  # the in-place prefix update drifts; start fresh
             fn_ind = None
-            if inductor and time.perf_counter() - t0 < budget_s:
+            timed_inductor = inductor and (inductor_blocks is None or nb in inductor_blocks)
+            if timed_inductor and time.perf_counter() - t0 < budget_s:
                 # The dry run exercises the same path with the chain run eagerly.
                 fn_ind = (lambda *a, nb=nb: chain(*a, nb=nb)) if dry_run else compiled_chain(nb)
-            elif inductor:
+            elif timed_inductor:
                 result.setdefault("inductor_skipped", []).append([H, nb])
             for T in inductor_order(tokens):
                 point = {"H": H, "nb": nb, "T": T, "floor_us": hbm_floor_us(step_bytes(T, H, nb)),
                          "input_sets": len(sets[T]), "variants": {}}
-                cands = candidates(T, H, nb)
+                cands = candidates(T, H, nb, chosen_only)
                 point["default"] = next(iter(cands))
+                point["previous"] = previous_default(T, H, nb)
                 ref = reference_step(sets[T][0], nb)
                 for name, kw in cands.items():
                     v = {"kw": kw}
@@ -562,11 +595,9 @@ def summarize(point: dict) -> None:
     best = min(ok, key=ok.get)
     point["best"], point["best_us"] = best, ok[best]
     point["default_us"] = point["variants"][point["default"]].get("us")
-    # The public kernel's form (one program per token, a few sources per tile, online
-    # softmax, 4-8 warps): the issue's reference point, in this repo's row kernel.
-    public = [ok[n] for n, v in point["variants"].items() if n in ok
-              and v["kw"].get("kind") == "row" and v["kw"].get("sources_per_tile", 0) <= 4
-              and v["kw"].get("num_warps") in (4, 8) and v["kw"].get("loop_stages") == 1]
+    if point.get("previous") in point["variants"]:
+        point["previous_us"] = point["variants"][point["previous"]].get("us")
+    public = [ok[n] for n, v in point["variants"].items() if n in ok and is_public_form(v["kw"])]
     point["public_form_us"] = min(public) if public else None
     if point.get("bytes_only"):
         point["bytes_only_best_us"] = min(point["bytes_only"].values())
@@ -586,14 +617,18 @@ SECONDS_PER_GRAPH = 0.02
 SECONDS_PER_INDUCTOR_LOAD = 3.0
 
 
-def estimate(hiddens, num_blocks, tokens, inductor: bool) -> dict:
+def estimate(hiddens, num_blocks, tokens, inductor: bool, chosen_only: bool = False,
+             inductor_blocks=None) -> dict:
+    inductor_at = [nb for nb in num_blocks if inductor and (inductor_blocks is None
+                                                            or nb in inductor_blocks)]
     graphs = replays = 0
     device_us = 0.0
     for H in hiddens:
         for nb in num_blocks:
             for T in tokens:
-                n = len(candidates(T, H, nb)) + (len(BYTES_ONLY_SHAPES) if T == 1 else 0)
-                n_ind = 1 if inductor else 0
+                n = (len(candidates(T, H, nb, chosen_only))
+                     + (len(BYTES_ONLY_SHAPES) if T == 1 else 0))
+                n_ind = 1 if nb in inductor_at else 0
                 reps = 10 if T >= 512 else 30
                 graphs += n + n_ind
                 replays += (n + n_ind) * (reps + 1)
@@ -601,8 +636,7 @@ def estimate(hiddens, num_blocks, tokens, inductor: bool) -> dict:
                 floor = step_bytes(T, H, nb) / 4.3e12 * 1e6
                 device_us += 20 * (reps + 4) * (n * (1.3 * floor + 5) + n_ind * (6 * floor + 10))
     seconds = graphs * SECONDS_PER_GRAPH + device_us / 1e6
-    if inductor:
-        seconds += len(hiddens) * len(num_blocks) * SECONDS_PER_INDUCTOR_LOAD
+    seconds += len(hiddens) * len(inductor_at) * SECONDS_PER_INDUCTOR_LOAD
     return {"graphs": graphs, "replays": replays, "calls": replays * 20,
             "estimated_timing_s": round(seconds)}
 
@@ -625,20 +659,83 @@ def selection_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def selection_check(result: dict) -> list[dict]:
+    """Per point of a saved sweep: what ``pick_launch_shape`` chooses now, its measured us
+    (None where the sweep did not time that shape), the best's and the previous default's."""
+    from k3fusion.kernels.attn_res import pick_launch_shape
+
+    rows = []
+    for p in result["points"]:
+        chosen = label(pick_launch_shape(p["T"], p["H"], p["nb"]))
+        v = p["variants"].get(chosen, {})
+        prev = p["variants"].get(previous_default(p["T"], p["H"], p["nb"]), {})
+        rows.append({"H": p["H"], "nb": p["nb"], "T": p["T"], "chosen": chosen,
+                     "chosen_us": v.get("us") if v.get("ok") else None,
+                     "best": p.get("best"), "best_us": p.get("best_us"),
+                     "previous_us": prev.get("us"), "inductor_us": p.get("inductor_us")})
+    return rows
+
+
+def heatmap(result: dict, path: Path) -> None:
+    """PNG of default Inductor's time over the chosen shape's (:func:`selection_check`) per
+    (H, nb, T): one panel per width, block counts down, token counts across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = {(r["H"], r["nb"], r["T"]): r for r in selection_check(result)}
+    hiddens, blocks, tokens = result["hiddens"], result["num_blocks"], result["tokens"]
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(4.2 * len(hiddens), 4.6), squeeze=False)
+    for ax, H in zip(axes[0], hiddens):
+        grid = np.full((len(blocks), len(tokens)), np.nan)
+        for i, nb in enumerate(blocks):
+            for j, T in enumerate(tokens):
+                r = rows.get((H, nb, T))
+                ratio = r and _ratio(r["inductor_us"], r["chosen_us"])
+                if ratio:
+                    grid[i, j] = ratio
+                    ax.text(j, i, f"{ratio:.1f}", ha="center", va="center", fontsize=8,
+                            color="black" if ratio > 2.5 else "white")
+                    if ratio < 2:  # below the issue's 2x: outlined
+                        ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
+                                                   edgecolor="red", linewidth=2))
+        im = ax.imshow(grid, cmap="viridis", vmin=1, vmax=8, aspect="auto")
+        ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set_yticks(range(len(blocks)), [str(nb) for nb in blocks])
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("completed blocks")
+        ax.set_title(f"H {H}")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8,
+                 label="default Inductor us / k3fusion us (red: below 2x)")
+    fig.suptitle(f"AttnRes step, k3fusion's chosen launch vs default Inductor "
+                 f"({result.get('gpu')}, {result.get('date')}, bf16)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
 def point_table(result: dict) -> str:
-    """One line per point: best shape and us, the default's, the public form's and
-    Inductor's us, Inductor / best, default / best; at T = 1 the bytes-only floor."""
+    """One line per point: best shape and us, the default (chosen) shape and us, the
+    previous default's, the public form's and Inductor's us; Inductor / chosen, previous /
+    chosen, chosen / best; at T = 1 the bytes-only floor."""
     lines = [f"{result.get('gpu')}, {result.get('date')}, torch {result.get('torch')}, triton "
              f"{result.get('triton')}; us per call (CUDA-graph median)",
-             "    H nb    T best       us  default  public inductor ind/b def/b floor"]
+             "    H nb    T best       us chosen       us    prev  public inductor ind/c "
+             "prv/c c/bst floor"]
     for p in result["points"]:
-        best = p.get("best_us")
-        ind = p["inductor_us"] / best if p.get("inductor_us") and best else None
-        dflt = p["default_us"] / best if p.get("default_us") and best else None
+        best, chosen = p.get("best_us"), p.get("default_us")
         lines.append(f"{p['H']:5d} {p['nb']:2d} {p['T']:4d} {p.get('best') or '-':8s}"
-                     f"{_fmt(best):>7s} {_fmt(p.get('default_us')):>7s} "
+                     f"{_fmt(best):>7s} {p.get('default') or '-':8s}{_fmt(chosen):>7s} "
+                     f"{_fmt(p.get('previous_us')):>7s} "
                      f"{_fmt(p.get('public_form_us')):>7s} {_fmt(p.get('inductor_us')):>8s} "
-                     f"{_fmt(ind):>5s} {_fmt(dflt):>5s}"
+                     f"{_fmt(_ratio(p.get('inductor_us'), chosen)):>5s} "
+                     f"{_fmt(_ratio(p.get('previous_us'), chosen)):>5s} "
+                     f"{_fmt(_ratio(chosen, best)):>5s}"
                      + (f" {p['bytes_only_best_us']:.2f}" if p.get("bytes_only_best_us") else "")
                      + (f" WRONG: {','.join(p['wrong'])}" if p.get("wrong") else ""))
     return "\n".join(lines)
@@ -648,7 +745,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m k3fusion.bench.attn_res_sweep")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     p.add_argument("--quick", action="store_true", help=f"a subset: {QUICK}")
+    p.add_argument("--chosen-only", action="store_true",
+                   help="time only the chosen shape, the previous default and the public "
+                        f"kernel's form (with Inductor); sizes {CHOSEN} unless given")
     p.add_argument("--skip-inductor", action="store_true")
+    p.add_argument("--inductor-blocks", type=int, nargs="+",
+                   help="Inductor only at these block counts (default: every one; "
+                        f"--chosen-only: {CHOSEN_INDUCTOR_BLOCKS})")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes in Triton's CPU interpreter, no timing (tests the logic)")
     p.add_argument("--jobs", type=int, default=None,
@@ -658,12 +761,16 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", help="override the token counts")
     p.add_argument("--tables-from", type=Path, metavar="JSON",
                    help="only print the tables of an earlier run's attn_res_sweep.json")
+    p.add_argument("--heatmap", type=Path, metavar="PNG",
+                   help="with --tables-from: also draw the k3fusion-vs-Inductor heat map")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="no new Inductor compiles after this many seconds of the sweep")
     args = p.parse_args(argv)
     if args.tables_from:
         result = json.loads(args.tables_from.read_text())
         print(selection_table(result) + "\n\n" + point_table(result))
+        if args.heatmap:
+            heatmap(result, args.heatmap)
         return 0
     if args.dry_run:
         # Triton reads this when k3fusion's kernels are decorated, i.e. before this module
@@ -678,15 +785,22 @@ def main(argv=None) -> int:
 
         if not torch.cuda.is_available():
             raise SystemExit("this benchmark needs a CUDA GPU (or --dry-run)")
-        sizes = QUICK if args.quick else dict(hiddens=HIDDENS, num_blocks=NUM_BLOCKS,
-                                              tokens=TOKENS)
+        sizes = (QUICK if args.quick else CHOSEN if args.chosen_only
+                 else dict(hiddens=HIDDENS, num_blocks=NUM_BLOCKS, tokens=TOKENS))
     sizes = {k: tuple(getattr(args, k) or v) for k, v in sizes.items()}
     jobs = args.jobs if args.jobs is not None else max(1, min(14, (os.cpu_count() or 4) - 2))
     result = run(sizes["hiddens"], sizes["num_blocks"], sizes["tokens"],
                  inductor=not args.skip_inductor, dry_run=args.dry_run,
-                 out_dir=args.out, budget_s=args.budget_s, jobs=0 if args.dry_run else jobs)
+                 out_dir=args.out, budget_s=args.budget_s, jobs=0 if args.dry_run else jobs,
+                 chosen_only=args.chosen_only,
+                 inductor_blocks=(args.inductor_blocks if args.inductor_blocks
+                                  else CHOSEN_INDUCTOR_BLOCKS if args.chosen_only else None))
     tables = selection_table(result) + "\n\n" + point_table(result) + "\n"
     (args.out / "attn_res_sweep.md").write_text(tables)
+    try:
+        heatmap(result, args.out / "attn_res_sweep_heatmap.png")
+    except ImportError as e:  # matplotlib: the bench extra
+        print(f"no heat map ({e})")
     print(f"\nsweep took {result['seconds']:.0f} s; raw: {args.out / 'attn_res_sweep.json'}")
     print(tables)
     return 0

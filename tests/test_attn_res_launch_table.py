@@ -1,0 +1,242 @@
+"""The AttnRes launch selection (``kernels/attn_res.py``: ``LAUNCH_TABLE`` read by
+``pick_launch_shape``): its buckets at every edge, its fallbacks to the rule, every shape it
+selects against the spec in Triton's interpreter, its agreement with the committed sweep it
+came from, and the compiled and eager paths choosing the same launch for the same shape."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import k3fusion
+import k3fusion.eager
+from k3fusion.bench import attn_res_sweep as sweep
+from k3fusion.kernels.attn_res import (
+    EARLY_TILE_MAX_TOKENS, LAUNCH_TABLE, PREFILL_TOKENS, SPLIT_MAX_GRID_Y, SPLIT_MAX_TOKENS,
+    TILE_MAX_PER_THREAD, LaunchShape, parse_shape, pick_launch_shape, table_shape, tile_rows,
+)
+
+try:  # tests/ as a package or as a plain directory on sys.path
+    from .graph_utils import fresh_state  # noqa: F401
+    from .test_attn_res_kernel import _K3, run_and_check
+except ImportError:
+    from graph_utils import fresh_state  # noqa: F401
+    from test_attn_res_kernel import _K3, run_and_check
+
+MOD = importlib.import_module("k3fusion.kernels.attn_res")  # the module, not the launcher
+SWEEP_JSON = Path(__file__).resolve().parents[1] / "docs" / "attn_res_decode_sweep.json"
+
+
+def rule(T, H, nb, **kw) -> LaunchShape:
+    return pick_launch_shape(T, H, nb, use_table=False, **kw)
+
+
+def name(T, H, nb, **kw) -> str:
+    return sweep.label(pick_launch_shape(T, H, nb, **kw))
+
+
+# ------------------------------------------------------------------------- the table
+
+
+def test_table_entries_parse_fit_and_name_themselves() -> None:
+    """Every entry is a shape the sweep names the same way, one per block count 0..8, within
+    the per-thread tile bound the sweep used at the widest row of its bucket (bf16), and
+    launchable there; the rows of a bucket end with one for any T."""
+    assert sweep.MAX_PER_THREAD == TILE_MAX_PER_THREAD
+    for key, rows in LAUNCH_TABLE.items():
+        mosts = [most for most, _ in rows]
+        assert mosts[-1] is None and mosts[:-1] == sorted(mosts[:-1])
+        H = key // 2
+        for most, names in rows:
+            names = names.split()
+            assert len(names) == 9, (key, most)
+            T = 4096 if most is None else most
+            for nb, n in enumerate(names):
+                shape = parse_shape(n, H)
+                assert sweep.label(shape) == n
+                width = shape.chunk or shape.block_h
+                assert tile_rows(shape, nb) * width <= TILE_MAX_PER_THREAD * 32 * shape.num_warps
+                assert table_shape(T, H, nb) == shape, (key, most, nb)
+                if shape.kind == "row":
+                    assert shape.sources_per_tile <= triton.next_power_of_2(nb + 1)
+    with pytest.raises(ValueError, match="launch shape name"):
+        parse_shape("r3x", 64)
+
+
+# (H, element size) at and past every row-bytes edge -> the bucket (bytes), None: the rule
+ROW_EDGES = [((2048, 2), 4096), ((2049, 2), 8192), ((4096, 2), 8192), ((4097, 2), 16384),
+             ((7168, 2), 16384), ((8192, 2), 16384), ((8193, 2), None),
+             ((1024, 4), 4096), ((1025, 4), 8192), ((2048, 4), 8192), ((4096, 4), 16384),
+             ((4097, 4), None), ((1, 2), 4096), ((96, 2), 4096)]
+
+
+@pytest.mark.parametrize("hw,key", ROW_EDGES, ids=[f"H{h}x{e}" for (h, e), _ in ROW_EDGES])
+def test_row_bytes_buckets(hw, key) -> None:
+    """fp32 at H takes bf16's bucket at 2H; rows wider than the widest key take the rule."""
+    H, size = hw
+    for T in (1, 13, 65, 256):
+        for nb in (0, 3, 8):
+            got = pick_launch_shape(T, H, nb, element_size=size)
+            if key is None:
+                assert table_shape(T, H, nb, size) is None
+                assert got == rule(T, H, nb, element_size=size)
+                continue
+            most, names = next(r for r in LAUNCH_TABLE[key] if r[0] is None or T <= r[0])
+            assert got == parse_shape(names.split()[nb], H), (H, size, T, nb)
+
+
+def test_token_buckets_at_their_edges() -> None:
+    """The token edges are the rule's measured thresholds: the split kernel up to
+    SPLIT_MAX_TOKENS (at 16 KiB rows and 5-8 blocks), the early tile up to
+    EARLY_TILE_MAX_TOKENS, the prefill shapes from PREFILL_TOKENS."""
+    assert (SPLIT_MAX_TOKENS, EARLY_TILE_MAX_TOKENS, PREFILL_TOKENS) == (12, 64, 256)
+    H = 7168
+    assert [name(T, H, 8) for T in (1, 12, 13, 64, 65, 255, 256, 4096)] == \
+        ["s1024x4", "s1024x4", "r4x8e", "r4x8e", "r2x8p3", "r2x8p3", "r1x8p3", "r1x8p3"]
+    assert [name(T, H, 0) for T in (1, 12, 13, 64, 65, 255, 256)] == ["solo16"] * 7
+    assert [name(T, H, 4) for T in (12, 13, 64, 65, 255, 256)] == \
+        ["r4x8e", "r4x8e", "r4x8e", "r4x8", "r4x8", "r1x8p3"]
+    H = 2048
+    assert [name(T, H, 8) for T in (1, 64, 65, 255, 256)] == \
+        ["r8x4e", "r8x4e", "r8x8", "r8x8", "r1x4p3"]
+    assert [name(T, H, 6) for T in (1, 64, 65, 255, 256)] == \
+        ["solo4", "solo4", "solo4", "solo4", "r1x4p3"]
+    H = 4096
+    assert [name(T, H, 1) for T in (1, 64, 65, 255, 256, 4096)] == \
+        ["solo8"] * 4 + ["solo16"] * 2
+    assert [name(T, H, 8) for T in (1, 64, 65, 255, 256)] == \
+        ["r8x8e", "r8x8e", "r8x8", "r8x8", "r1x4p3"]
+
+
+def test_fallbacks_to_the_rule() -> None:
+    """More blocks than the table's columns, too many tokens for the split kernel's grid,
+    the split kernel's PTX exchange off NVIDIA (the one-program form has none), and every
+    override: the rule, exactly as before the table."""
+    for nb in (9, 12, 31):
+        for T in (1, 100, 4096):
+            assert pick_launch_shape(T, 7168, nb) == rule(T, 7168, nb)
+    # the one-program form at prefill sizes: its grid's token dim is capped
+    assert name(SPLIT_MAX_GRID_Y, 7168, 0) == "solo16"
+    assert pick_launch_shape(SPLIT_MAX_GRID_Y + 1, 7168, 0) == rule(SPLIT_MAX_GRID_Y + 1, 7168, 0)
+    for kw in ({"split_max_tokens": 0}, {"split_max_tokens": 12}, {"prefill_tokens": 10**9},
+               {"sources_per_tile": 2}, {"num_warps": 8}, {"kind": "row"}, {"kind": "split"},
+               {"chunk": 512}, {"loop_stages": 1}, {"early_tile": False}):
+        for T, H, nb in ((1, 7168, 8), (1, 2048, 3), (100, 4096, 5), (4096, 2048, 1)):
+            assert pick_launch_shape(T, H, nb, **kw) == rule(T, H, nb, **kw), (kw, T, H, nb)
+    # the rule's own answers where the table differs (what the overrides keep reaching)
+    assert sweep.label(rule(1, 2048, 8)) == "s1024x4" and name(1, 2048, 8) == "r8x4e"
+    assert sweep.label(rule(1, 7168, 8, split_max_tokens=0)) == "r4x16e"
+
+
+def test_split_entries_fall_back_off_nvidia(monkeypatch) -> None:
+    monkeypatch.setattr(torch.version, "hip", "6.0", raising=False)
+    assert table_shape(1, 7168, 8) is None and rule(1, 7168, 8).kind == "row"
+    assert name(1, 7168, 0) == "solo16"  # one program per token: no exchange, no PTX
+
+
+def test_the_table_matches_the_sweep_it_came_from() -> None:
+    """Against the committed H200 sweep (docs/attn_res_decode_sweep.json): at every point the
+    chosen shape was timed and checked, is within 5% of the best and no more than 3% slower
+    than the previous default -- a table edit that contradicts the data fails here."""
+    result = json.loads(SWEEP_JSON.read_text())
+    rows = sweep.selection_check(result)
+    assert len(rows) == 162
+    for r in rows:
+        assert r["chosen_us"] is not None, r
+        assert r["chosen_us"] <= 1.05 * r["best_us"], r
+        assert r["chosen_us"] <= 1.03 * r["previous_us"], r
+
+
+# ------------------------------------------------------------ every selected shape, run
+
+
+def _launch_kw(shape: LaunchShape, H: int) -> dict:
+    """Launcher arguments forcing ``shape``'s form at a small width ``H``: the one-program
+    split form as wide as the row, the split kernel's chunks narrow enough for 3 programs."""
+    if shape.kind == "row":
+        return dict(kind="row", sources_per_tile=shape.sources_per_tile,
+                    num_warps=shape.num_warps, loop_stages=shape.loop_stages,
+                    early_tile=shape.early_tile)
+    solo = shape.chunk >= shape.block_h
+    return dict(kind="split", chunk=triton.next_power_of_2(H) if solo else 32,
+                num_warps=shape.num_warps)
+
+
+SELECTED = sorted({(n, nb) for rows in LAUNCH_TABLE.values() for _, names in rows
+                   for nb, n in enumerate(names.split())})
+
+
+@pytest.mark.parametrize("shape_name,nb", SELECTED, ids=[f"{n}-nb{nb}" for n, nb in SELECTED])
+def test_every_selected_shape_matches_the_spec(shape_name: str, nb: int) -> None:
+    """Each (shape, block count) the table selects, in its kernel form at H 96: delta,
+    block write into the last slot, output norm, bf16, a stacked bank."""
+    H = 96
+    kw = _launch_kw(parse_shape(shape_name, H), H)
+    c = replace(_K3, T=3, H=H, nb_max=9, num_blocks=nb, write_idx=8,
+                launch=tuple(sorted(kw.items())))
+    run_and_check(c, seed=nb)
+
+
+@pytest.mark.parametrize("T", [1, 65])
+def test_automatic_selection_matches_the_spec(T: int) -> None:
+    """The launcher's own choice at a small width (the 4 KiB bucket) in the decode buckets
+    (the prefill bucket's shapes run above at T = 3: 256 interpreted tokens take a minute)."""
+    for nb in (0, 5, 8):
+        c = replace(_K3, T=T, H=48, nb_max=9, num_blocks=nb, write_idx=8)
+        assert pick_launch_shape(T, 48, nb) == table_shape(T, 48, nb)
+        run_and_check(c, seed=T + nb)
+
+
+# ------------------------------------------------------------- compiled and eager paths
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("H,nb", [(96, 3), (96, 6)])  # r4x4e, solo4
+def test_compiled_and_eager_paths_pick_the_same_launch(monkeypatch, H: int, nb: int) -> None:
+    """``torch.compile(backend="k3fusion")`` of an AttnRes site (the functional op) and
+    ``k3fusion.eager.attn_res`` (the in-place op) ask ``pick_launch_shape`` the same question
+    and get the table's answer."""
+    calls = []
+    real = MOD.pick_launch_shape
+
+    def spy(T, H, num_blocks, **kw):
+        shape = real(T, H, num_blocks, **kw)
+        calls.append(((T, H, num_blocks, kw["element_size"]), shape))
+        return shape
+
+    monkeypatch.setattr(MOD, "pick_launch_shape", spy)
+    T = 3
+    args = sweep.make_inputs(T, H, "cpu", seed=nb)
+
+    compiled = torch.compile(lambda *a: sweep.chain(*a, nb=nb), backend="k3fusion",
+                             fullgraph=True)
+    with torch.no_grad():
+        compiled(*[a.clone() for a in args])
+    assert k3fusion.match_counts().get("attn_res", 0) == 1
+    compiled_calls = list(calls)
+    calls.clear()
+
+    prefix, delta, bank, norm_w, proj_w, out_w = [a.clone() for a in args]
+    k3fusion.eager.attn_res(prefix, bank, nb, norm_w, proj_w[0], sweep.EPS, delta, nb, out_w,
+                            sweep.EPS)
+    assert calls and calls == compiled_calls[-len(calls):]
+    (question, shape), = calls
+    assert question == (T, H, nb, 2) and shape == table_shape(T, H, nb)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H", [2048, 4096, 7168])
+def test_selected_launches_match_the_spec_at_the_sweeps_sizes(H: int) -> None:
+    """On the GPU, the launcher's own choice at the sweep's widths, every block count, in
+    every token bucket (both sides of each edge): delta, block write, output norm, bf16."""
+    for T in (1, 12, 13, 64, 65, 255, 256):
+        for nb in range(9):
+            c = replace(_K3, T=T, H=H, nb_max=9, num_blocks=nb, write_idx=8)
+            assert pick_launch_shape(T, H, nb) == table_shape(T, H, nb)
+            run_and_check(c, seed=T * 16 + nb)
