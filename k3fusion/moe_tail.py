@@ -607,10 +607,11 @@ def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_d
                   norm_dtype=norm_dtype)
 
 
-#: Largest T at which selection picks the tp = 1 kernel: measured on the H200 (bf16,
-#: L = 3584, H = 7168; docs/benchmarks.md) it is 1.15-1.2x faster than default Inductor's
-#: norm + cuBLAS addmm up to T = 8 and at parity by T = 16 (cuBLAS's GEMM gets faster as T
-#: grows; the kernel does not).
+#: Largest T at which selection picks the tp = 1 kernel (how it was checked against the
+#: two-launch unfused form: docs/benchmarks.md, "Latent-MoE tail vs cuBLAS (issue 17)").
+#: Measured on the H200 (bf16, L = 3584, H = 7168) it is 1.15-1.2x faster than default
+#: Inductor's norm + cuBLAS addmm up to T = 8 and at parity by T = 16 (cuBLAS's GEMM gets
+#: faster as T grows; the kernel does not).
 TRITON_SELECT_MAX_TOKENS = 16
 
 register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",),

@@ -69,4 +69,4 @@ def test_quick_mode_times_the_phase2_forms_only(tmp_path):
     assert [set(r["check"]) for r in rows] == [
         base, base | {f"tri:{k}" for k in probe.QUICK_CANDIDATES}, base]
     assert all(v["ok"] for r in rows for v in r["check"].values())
-    assert probe.QUICK_TOKENS == (1, 4, 16, 64, 512, 4096)
+    assert probe.QUICK_TOKENS == (1, 4, 8, 12, 16, 64, 512, 4096)

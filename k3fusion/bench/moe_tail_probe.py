@@ -39,8 +39,9 @@ the others (cuBLAS, Inductor, the op) within the tier tests' bound
 a wrong one is flagged (``!`` and the ``wrong`` column) and left out of "best". A candidate that fails to compile or
 launch (e.g. out of shared memory) is recorded with its error, not fatal.
 
-``--quick``: T 1 4 16 64 512 4096 (unless ``--tokens``), no compiles, and of the fused kernel's
-forms only ``QUICK_CANDIDATES`` (at 2 <= T <= 16): the baselines above, in well under 3 min.
+``--quick``: T 1 4 8 12 16 64 512 4096 (unless ``--tokens``), no Inductor compiles, and of
+the fused kernel's forms only ``QUICK_CANDIDATES`` (at 2 <= T <= 16) besides the baselines
+above (``norm_addmm`` left out): the one short confirmation run, predicted ~1-1.5 min.
 
 Writes ``DIR/moe_tail_probe.json`` (raw: every time, check ratio, error; date, GPU,
 versions) and prints a compact table last. ``--dry-run``: every variant at a tiny size on
@@ -60,7 +61,9 @@ from pathlib import Path
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096)
 AUTOTUNE_TOKENS = (1, 16, 64, 512, 4096)
-QUICK_TOKENS = (1, 4, 16, 64, 512, 4096)
+#: ``--quick``'s T: 8 / 12 / 16 bracket the fused kernel's selection limit (cuBLAS switches
+#: GEMM kernels between 8 and 16 rows: 18.5 -> 15.9 us).
+QUICK_TOKENS = (1, 4, 8, 12, 16, 64, 512, 4096)
 #: ``--quick``'s fused-kernel forms: the PDL form that phase 1 found fastest at T = 2-16.
 QUICK_CANDIDATES = ("pdl_n64_s1",)
 LATENT, HIDDEN = 3584, 7168
@@ -141,7 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="after this many seconds, skip the remaining max-autotune compiles")
     p.add_argument("--quick", action="store_true",
-                   help="T 1 4 16 64 512 4096, no compiles, only QUICK_CANDIDATES of the kernel forms")
+                   help="T 1 4 8 12 16 64 512 4096, no Inductor compiles, of the kernel's "
+                        "forms only QUICK_CANDIDATES")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes on the CPU in Triton's interpreter; checks, no timing")
     args = p.parse_args(argv)

@@ -80,7 +80,8 @@ def _check_copy(x, other) -> None:
 @torch.library.custom_op("k3fusion::rms_norm_and_copy", mutates_args=())
 def rms_norm_and_copy(x: torch.Tensor, w: torch.Tensor, eps: float, other: torch.Tensor,
                       weight_in_fp32: bool = False,
-                      norm_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      norm_dtype: Optional[torch.dtype] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x, w, eps, ...), other.clone())`` in the norm's one launch (``other``
     has ``x``'s leading dims; the copy is contiguous). The tail's tp = 1 unfused tiers
     beta-add the GEMM into the copy in place (``addmm_``), so the add needs no launch of
