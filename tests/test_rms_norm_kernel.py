@@ -249,3 +249,17 @@ def test_norm_and_copy_op(lead) -> None:
                                              torch.randn(5, 2, device=DEVICE).t())
     with pytest.raises(TypeError, match="other must be a Tensor"):
         torch.ops.k3fusion.rms_norm_and_copy(x, w, 1e-6, None)
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_norm_and_copy_opcheck(path) -> None:
+    """torch.library.opcheck: schema, fake impl and registrations agree (both CPU paths)."""
+    from _kernel_paths import cpu_path
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 40, generator=gen).to(torch.bfloat16)
+    w = (torch.rand(40, generator=gen) + 0.5).to(torch.bfloat16)
+    other = torch.randn(3, 24, generator=gen).to(torch.bfloat16)
+    with cpu_path(path):
+        torch.library.opcheck(torch.ops.k3fusion.rms_norm_and_copy.default,
+                              (x, w, 1e-6, other, False, None))
