@@ -263,3 +263,33 @@ def test_norm_and_copy_opcheck(path) -> None:
     with cpu_path(path):
         torch.library.opcheck(torch.ops.k3fusion.rms_norm_and_copy.default,
                               (x, w, 1e-6, other, False, None))
+
+
+def test_copy_form_compiles_for_hopper_with_16_byte_accesses() -> None:
+    """The launch with ``copy=`` at the tail's widths (L 3584 -> a 4096 block, H 7168 -> one
+    8192 copy tile) compiles for sm_90, with the 16-divisibility hints real K3 launches get:
+    every global access is 16 bytes wide (x, w and the copy's 8 per thread, 4 + 8 stores)."""
+    from _ptx import run_compile_script
+
+    script = """
+import re
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3fusion.kernels.rms_norm import _rms_norm_kernel as k
+names = [p.name for p in k.params]
+const = dict(BLOCK_COLS=4096, ROWS=1, WEIGHT_IN_FP32=False, ROUND_DTYPE=tl.bfloat16,
+             COPY=True, COPY_BLOCK=8192, COPY_ROWS=1)
+sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr")
+       else "fp32" if n.endswith("eps") else "i32" for n in names}
+hinted = [n for n in names if n.endswith(("_ptr", "stride")) or n in ("n_cols", "n_copy_cols")]
+src = ASTSource(fn=k, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in hinted})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+loads = re.findall(r"ld\\.global[^\\n]*", ptx)
+stores = re.findall(r"st\\.global[^\\n]*", ptx)
+print(sum(".v4" in l for l in loads), len(loads), sum(".v4" in s for s in stores), len(stores))
+"""
+    v4_loads, loads, v4_stores, stores = map(int, run_compile_script(script, "the copy form")
+                                             .split())
+    assert (v4_loads, v4_stores) == (16, 12) and loads == v4_loads and stores == v4_stores
