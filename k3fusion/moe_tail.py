@@ -30,7 +30,9 @@ they differ in where the up-projection FLOPs and the collectives go:
 The unfused tiers (all but ``TAIL_FUSION``) normalize the latent, on a CUDA device at run
 time, in one Triton launch (``kernels/rms_norm.py``) instead of the reference's eager op
 sequence; so there they agree with the reference within the norm's fp32 summation order,
-not bit for bit. On CPU, and when traced, they are the reference's ops.
+not bit for bit. At tp = 1 on CUDA that launch also copies ``shared`` and cuBLAS adds the
+GEMM into the copy (or into a donated ``shared``) in its epilogue: two launches, and the
+add rounds once. On CPU, and when traced, they are the reference's ops.
 
 Selection (:func:`select_tier`) looks only at the token count T and static facts
 (hidden size, tp, device type, config), so every rank of a group picks the same tier
@@ -350,11 +352,30 @@ def _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype):
 
 def _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
                 donate_shared):
-    # The reference's op sequence (on CPU bit for bit), the norm as above. cuBLAS's
-    # beta-add epilogue instead of the separate add: 4% slower at T = 4096 on the H200,
-    # within 0.2 us from 17 to 512 tokens -- not taken.
+    # The reference's op sequence (on CPU bit for bit), the norm as above; tp = 1 on CUDA
+    # adds in cuBLAS's epilogue instead (_norm_then_beta_add).
+    if group is None and routed.is_cuda and not torch.compiler.is_compiling():
+        return _norm_then_beta_add(routed, shared, norm_w, eps, up_w, weight_in_fp32,
+                                   norm_dtype, donate_shared)
     h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
     return reference.all_reduce(shared, group) + h @ up_w.T
+
+
+def _norm_then_beta_add(routed, shared, norm_w, eps, up_w, weight_in_fp32, norm_dtype,
+                        donate_shared):
+    """tp = 1: two launches instead of three (norm, GEMM, add). The norm's launch also
+    copies ``shared`` (``k3fusion::rms_norm_and_copy``) and cuBLAS beta-adds the GEMM into
+    that copy in place; a donated ``shared`` is the GEMM's output itself (no copy at all).
+    ``torch.addmm(shared, h, w.T)`` would copy ``shared`` in a launch of its own. The add
+    rounds once (fp32 product + shared), not twice: the column-parallel tier's numerics
+    (docs/benchmarks.md, "Latent-MoE tail vs cuBLAS (issue 17)")."""
+    if donate_shared:
+        h = torch.ops.k3fusion.rms_norm(routed, norm_w, eps, weight_in_fp32, norm_dtype)
+        out = shared
+    else:
+        h, out = torch.ops.k3fusion.rms_norm_and_copy(routed, norm_w, eps, shared,
+                                                      weight_in_fp32, norm_dtype)
+    return out.addmm_(h, up_w.t())
 
 
 # Per CUDA device: (side stream, event "shared ready", event "shared reduced").
@@ -547,7 +568,8 @@ def latent_moe_tail(
     (``k3fusion.reference.rms_norm``).
 
     Inputs are never modified unless ``donate_shared=True``: then the column-parallel
-    tier may accumulate into ``shared`` in place instead of into a copy (pass it when
+    tier, and at tp = 1 on CUDA the replicated and overlap tiers, may accumulate into
+    ``shared`` in place instead of into a copy (pass it when
     ``shared`` is a temporary the caller no longer needs). Every rank of ``group`` must
     make the call with the same T and config. Returns ``[..., H]``, equal on all ranks.
 
@@ -588,10 +610,11 @@ def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_d
                   norm_dtype=norm_dtype)
 
 
-#: Largest T at which selection picks the tp = 1 kernel: measured on the H200 (bf16,
-#: L = 3584, H = 7168; docs/benchmarks.md) it is 1.15-1.2x faster than default Inductor's
-#: norm + cuBLAS addmm up to T = 8 and at parity by T = 16 (cuBLAS's GEMM gets faster as T
-#: grows; the kernel does not).
+#: Largest T at which selection picks the tp = 1 kernel (how it was checked against the
+#: two-launch unfused form: docs/benchmarks.md, "Latent-MoE tail vs cuBLAS (issue 17)").
+#: Measured on the H200 (bf16, L = 3584, H = 7168) it is 1.15-1.2x faster than default
+#: Inductor's norm + cuBLAS addmm up to T = 8 and at parity by T = 16 (cuBLAS's GEMM gets
+#: faster as T grows; the kernel does not).
 TRITON_SELECT_MAX_TOKENS = 16
 
 register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",),

@@ -12,6 +12,10 @@ dtype, or the graph's ``norm_dtype``) before the weight multiply, weight-in-fp32
 once at the end. The fp32 sum runs in another order than torch's ``mean``: the result
 agrees with the reference to within that rounding, not bit for bit.
 
+``copy=(src, dst)`` adds programs that copy a ``[T, M]`` array in the same launch: the
+tail's tp = 1 unfused tiers get the buffer cuBLAS beta-adds the GEMM into without a copy
+or add kernel of their own (``k3fusion::rms_norm_and_copy``).
+
 The row count is not specialized on (``do_not_specialize``): one compiled kernel serves
 every T of a dtype and width, so a CUDA-graph capture at a new T needs no compile (the
 first call of a dtype and width still must come before any capture, as for every Triton
@@ -74,13 +78,38 @@ def _rms_norm_rows(
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, n_rows, x_row_stride, y_row_stride, n_cols, eps,
+    src_ptr, dst_ptr, src_row_stride, dst_row_stride, n_copy_cols,
     BLOCK_COLS: tl.constexpr,
     ROWS: tl.constexpr,
     WEIGHT_IN_FP32: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
+    COPY: tl.constexpr,
+    COPY_BLOCK: tl.constexpr,
+    COPY_ROWS: tl.constexpr,
 ):
-    _rms_norm_rows(x_ptr, w_ptr, y_ptr, tl.program_id(0) * ROWS, n_rows, x_row_stride,
-                   y_row_stride, n_cols, eps, BLOCK_COLS, ROWS, WEIGHT_IN_FP32, ROUND_DTYPE)
+    """The first ``cdiv(n_rows, ROWS)`` programs normalize rows. With ``COPY`` the programs
+    after them copy ``src [n_rows, n_copy_cols]`` into ``dst``, ``COPY_ROWS`` rows each: the
+    tail's unfused tiers get the buffer cuBLAS beta-adds into from the norm's own launch
+    (separate programs, so the copy's loads are in flight with the norm's, not after them)."""
+    pid = tl.program_id(0)
+    n_norm = tl.cdiv(n_rows, ROWS)
+    if pid < n_norm:
+        _rms_norm_rows(x_ptr, w_ptr, y_ptr, pid * ROWS, n_rows, x_row_stride,
+                       y_row_stride, n_cols, eps, BLOCK_COLS, ROWS, WEIGHT_IN_FP32, ROUND_DTYPE)
+    elif COPY:
+        rows = (pid - n_norm) * COPY_ROWS + tl.arange(0, COPY_ROWS)
+        rows64 = rows.to(tl.int64)
+        row_mask = rows < n_rows
+        for c0 in range(0, n_copy_cols, COPY_BLOCK):
+            cols = c0 + tl.arange(0, COPY_BLOCK)
+            mask = row_mask[:, None] & (cols < n_copy_cols)[None, :]
+            v = tl.load(src_ptr + rows64[:, None] * src_row_stride + cols[None, :], mask=mask)
+            tl.store(dst_ptr + rows64[:, None] * dst_row_stride + cols[None, :], v, mask=mask)
+
+
+#: Widest copy tile: 8192 elements (64 per thread at 4 warps: 16-byte loads, no loop at the
+#: tail's H = 7168).
+_COPY_TILE = 8192
 
 
 def pick_launch_shape(block_cols: int, rows_per_program: int = 0,
@@ -96,15 +125,26 @@ def pick_launch_shape(block_cols: int, rows_per_program: int = 0,
 @on_tensor_device
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
              weight_in_fp32: bool = False, norm_dtype: torch.dtype | None = None,
-             rows_per_program: int = 0, num_warps: int = 0) -> None:
+             rows_per_program: int = 0, num_warps: int = 0,
+             copy: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Launch on the 2-D row view ``x [T, N]`` into the preallocated ``y [T, N]`` (any row
     strides, last dims contiguous). ``norm_dtype``: cast-then-weight's rounding dtype when
-    it is not ``x``'s. Arguments are validated by the caller; this checks only what the
-    launch itself needs."""
-    check_launchable(x, w, y)
+    it is not ``x``'s. ``copy=(src, dst)``: also copy ``src [T, M]`` into ``dst [T, M]``
+    (one dtype, any row strides, last dims contiguous) in the same launch. Arguments are
+    validated by the caller; this checks only what the launch itself needs."""
+    src, dst = (x, y) if copy is None else copy
+    check_launchable(x, w, y, src, dst)
     if x.dim() != 2 or y.shape != x.shape:
         raise ValueError(f"x and y must be 2-D row views of one shape, got {tuple(x.shape)} "
                          f"and {tuple(y.shape)}")
+    if copy is not None:
+        if src.dim() != 2 or dst.shape != src.shape or src.shape[0] != x.shape[0]:
+            raise ValueError(f"copy=(src, dst) must be 2-D row views of one shape with x's "
+                             f"{x.shape[0]} rows, got {tuple(src.shape)} and {tuple(dst.shape)}")
+        if src.dtype != dst.dtype:
+            raise TypeError(f"copy: src is {src.dtype} but dst is {dst.dtype}")
+        if src.shape[1] > 1 and (src.stride(1) != 1 or dst.stride(1) != 1):
+            raise ValueError("copy: src and dst must be contiguous in their last dim")
     if norm_dtype is not None and weight_in_fp32:
         raise ValueError("norm_dtype applies to the cast-then-weight form only")
     if x.dtype not in TL_DTYPES:
@@ -117,8 +157,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
         return
     block = triton.next_power_of_2(n_cols)
     rows, warps = pick_launch_shape(block, rows_per_program, num_warps)
-    _rms_norm_kernel[(cdiv(n_rows, rows),)](
+    n_copy = src.shape[1] if copy is not None else 0
+    copy_block = min(triton.next_power_of_2(max(n_copy, 1)), _COPY_TILE)
+    copy_rows = max(1, min(16, _COPY_TILE // copy_block))
+    programs = cdiv(n_rows, rows) + (cdiv(n_rows, copy_rows) if n_copy else 0)
+    _rms_norm_kernel[(programs,)](
         x, w, y, n_rows, x.stride(0), y.stride(0), n_cols, float(eps),
+        src, dst, src.stride(0), dst.stride(0), n_copy,
         BLOCK_COLS=block, ROWS=rows, WEIGHT_IN_FP32=bool(weight_in_fp32),
-        ROUND_DTYPE=TL_DTYPES[round_dtype], num_warps=warps,
+        ROUND_DTYPE=TL_DTYPES[round_dtype], COPY=n_copy > 0, COPY_BLOCK=copy_block,
+        COPY_ROWS=copy_rows, num_warps=warps,
     )

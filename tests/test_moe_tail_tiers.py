@@ -34,7 +34,7 @@ import torch
 
 import k3fusion
 from _gloo import run_ranks
-from _kernel_paths import spy_on_launcher
+from _kernel_paths import cpu_path, spy_on_launcher
 from _tolerances import latent_tail_exact_and_bound
 from k3fusion import moe_tail, reference
 from k3fusion.config import FusionConfig, load_config
@@ -660,6 +660,30 @@ def test_tp1_tiers_match_reference(tier, lead, dtype):
         assert torch.equal(y, reference.latent_moe_tail(x, s0, w, EPS, up))
 
 
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("lead", [(0,), (1,), (17,)])
+@pytest.mark.parametrize("norm_form", ["bf16", "weight_in_fp32", "fp32_latent_norm_dtype"])
+def test_tp1_norm_then_beta_add(norm_form, lead, donate):
+    """The tp = 1 CUDA form of the replicated/overlap tiers (the norm's launch copies
+    ``shared``, cuBLAS-style ``addmm_`` adds into the copy or into a donated ``shared``), run
+    here with the norm kernel in the interpreter: within the exact tail's bound; the
+    caller's ``shared`` is kept unless donated, and a donated one holds the result."""
+    x, s = partials(3, 0, lead, 48, torch.bfloat16)
+    w, up = weights(3, 48, torch.bfloat16)
+    weight_in_fp32, norm_dtype = norm_form == "weight_in_fp32", None
+    if norm_form == "fp32_latent_norm_dtype":
+        x, norm_dtype = x.float(), torch.bfloat16
+    x0, s0 = x.clone(), s.clone()
+    with cpu_path("kernel"):
+        y = moe_tail._norm_then_beta_add(x.reshape(-1, LATENT), s.reshape(-1, 48), w, EPS, up,
+                                         weight_in_fp32, norm_dtype, donate)
+    assert torch.equal(x, x0)
+    assert torch.equal(s.reshape(-1, 48), y) if donate else torch.equal(s, s0)
+    want, bound = latent_tail_exact_and_bound(x0.double()[None], s0.double()[None], w, up, EPS,
+                                              UNIT_ROUNDOFF[torch.bfloat16])
+    assert_within(y.reshape(want.shape), want, bound, f"{norm_form} donate={donate}")
+
+
 def test_weight_in_fp32_form():
     x, s = partials(4, 0, (5,), 32, torch.bfloat16)
     w, up = weights(4, 32, torch.bfloat16)
@@ -743,3 +767,26 @@ def test_unfused_tiers_on_cuda_norm_in_one_launch(tier, tokens, form):
     exact, bound = latent_tail_exact_and_bound(x[None].cpu(), s[None].cpu(), w.cpu(), up.cpu(),
                                                EPS, UNIT_ROUNDOFF[dt])
     assert_within(y.cpu(), exact, bound, f"{tier} T={tokens} {form}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [17, 512])
+@pytest.mark.parametrize("tier", ["replicated", "allreduce_overlap"])
+def test_tp1_donated_shared_holds_the_result_on_cuda(tier, tokens):
+    """tp = 1 on CUDA with ``donate_shared``: one norm launch (no copy), cuBLAS adds the GEMM
+    into ``shared`` itself (the result is ``shared``'s storage), within the exact tail's
+    bound, the latent kept."""
+    latent, hidden, dt = 3584, 7168, torch.bfloat16
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, latent, generator=g).to("cuda", dt)
+    s = torch.randn(tokens, hidden, generator=g).to("cuda", dt)
+    w = (1 + 0.1 * torch.randn(latent, generator=g)).to("cuda", dt)
+    up = (torch.randn(hidden, latent, generator=g) / latent**0.5).to("cuda", dt)
+    x0, s0 = x.clone(), s.clone()
+    with spy_on_launcher("rms_norm", "copy") as copies:
+        y, ran = moe_tail.run_latent_moe_tail(x, s, w, EPS, up, tier=tier, donate_shared=True)
+    assert ran is Tier(tier) and copies == [None] and torch.equal(x, x0)
+    assert y.data_ptr() == s.data_ptr() and torch.equal(y, s)
+    exact, bound = latent_tail_exact_and_bound(x0[None].cpu(), s0[None].cpu(), w.cpu(),
+                                               up.cpu(), EPS, UNIT_ROUNDOFF[dt])
+    assert_within(y.cpu(), exact, bound, f"{tier} T={tokens} donated")

@@ -165,3 +165,131 @@ def test_launch_on_the_tensors_device() -> None:
         y = torch.ops.k3fusion.rms_norm(x, w, 1e-6)
         torch.cuda.synchronize(1)
         assert_matches_reference(y, x, w, 1e-6, False, bf16_casts_truncate=False)
+
+
+# --------------------------------------------------------------- norm + copy in one launch
+
+
+@given(rows=st.integers(0, 9), width=st.sampled_from([1, 40, 112, 129]),
+       copy_width=st.sampled_from([1, 48, 136, 200]), copy_tile=st.sampled_from([0, 64]),
+       src_pad=st.sampled_from([0, 8]), dst_pad=st.sampled_from([0, 5]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       seed=st.integers(0, 2**31 - 1))
+@example(rows=5, width=112, copy_width=136, copy_tile=0, src_pad=0, dst_pad=0,
+         dtype=torch.bfloat16, seed=0)
+@example(rows=3, width=40, copy_width=200, copy_tile=64, src_pad=8, dst_pad=5,
+         dtype=torch.float32, seed=1)
+def test_copy_rides_the_norm_launch(rows, width, copy_width, copy_tile, src_pad, dst_pad,
+                                    dtype, seed) -> None:
+    """``copy=(src, dst)``: ``dst`` is ``src`` bit for bit (strided rows on both sides, the
+    copy tile narrower than a row: the column loop), the columns beside ``dst``'s view are
+    not written, and the norm is the plain launch's bit for bit."""
+    import importlib
+
+    mod = importlib.import_module("k3fusion.kernels.rms_norm")
+    with pytest.MonkeyPatch.context() as mp:
+        if copy_tile:
+            mp.setattr(mod, "_COPY_TILE", copy_tile)
+        _copy_case(rows, width, copy_width, src_pad, dst_pad, dtype, seed)
+
+
+def _copy_case(rows, width, copy_width, src_pad, dst_pad, dtype, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.rand(width, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
+    srcp = torch.randn(rows, copy_width + src_pad, generator=gen).to(DEVICE, dtype)
+    src = srcp[:, :copy_width]
+    dstp = torch.full((rows, copy_width + dst_pad), float("nan"), dtype=dtype, device=DEVICE)
+    dst = dstp[:, :copy_width]
+    saved = srcp.clone()
+    y, plain = torch.empty_like(x), torch.empty_like(x)
+    launch(x, w, 1e-6, y, copy=(src, dst))
+    launch(x, w, 1e-6, plain)
+    assert torch.equal(srcp, saved), "src was modified"
+    assert torch.equal(dst, src), "the copy differs from src"
+    assert dstp[:, copy_width:].isnan().all(), "columns beside dst's view were written"
+    assert torch.equal(y, plain), "the norm differs from the plain launch's"
+
+
+def test_copy_launch_errors() -> None:
+    x = torch.randn(3, 8, device=DEVICE)
+    w = torch.ones(8, device=DEVICE)
+    y = torch.empty_like(x)
+    s = torch.randn(3, 6, device=DEVICE)
+    with pytest.raises(ValueError, match="x's 3 rows"):
+        launch(x, w, 1e-6, y, copy=(s[:2], torch.empty(2, 6, device=DEVICE)))
+    with pytest.raises(ValueError, match="one shape"):
+        launch(x, w, 1e-6, y, copy=(s, torch.empty(3, 7, device=DEVICE)))
+    with pytest.raises(TypeError, match="src is"):
+        launch(x, w, 1e-6, y, copy=(s, torch.empty(3, 6, device=DEVICE, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="contiguous in their last dim"):
+        launch(x, w, 1e-6, y, copy=(torch.randn(6, 3, device=DEVICE).t(), torch.empty_like(s)))
+
+
+@pytest.mark.parametrize("lead", [(2, 3), (0,), (1,)])
+def test_norm_and_copy_op(lead) -> None:
+    """``k3fusion::rms_norm_and_copy`` (kernel in the interpreter on CPU): the norm op's
+    result bit for bit and a contiguous copy of ``other``; fake shapes; errors name
+    ``other``."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(*lead, 112, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.rand(112, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
+    other = torch.randn(*lead, 150, generator=gen).to(DEVICE, torch.bfloat16)[..., :136]
+    y, c = torch.ops.k3fusion.rms_norm_and_copy(x, w, 1e-6, other)
+    assert torch.equal(y, torch.ops.k3fusion.rms_norm(x, w, 1e-6))
+    assert torch.equal(c, other) and c.is_contiguous()
+    assert other.numel() == 0 or c.data_ptr() != other.data_ptr(), "not a copy"
+    meta = [t.to("meta") for t in (x, w, other)]
+    fy, fc = torch.ops.k3fusion.rms_norm_and_copy(meta[0], meta[1], 1e-6, meta[2])
+    assert fy.shape == x.shape and fc.shape == other.shape and fc.dtype == other.dtype
+    with pytest.raises(ValueError, match="other must have x's leading dims"):
+        torch.ops.k3fusion.rms_norm_and_copy(x, w, 1e-6, other[..., None, :])
+    with pytest.raises(ValueError, match="other must be contiguous"):
+        torch.ops.k3fusion.rms_norm_and_copy(torch.randn(2, 112, device=DEVICE), w, 1e-6,
+                                             torch.randn(5, 2, device=DEVICE).t())
+    with pytest.raises(TypeError, match="other must be a Tensor"):
+        torch.ops.k3fusion.rms_norm_and_copy(x, w, 1e-6, None)
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_norm_and_copy_opcheck(path) -> None:
+    """torch.library.opcheck: schema, fake impl and registrations agree (both CPU paths)."""
+    from _kernel_paths import cpu_path
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 40, generator=gen).to(torch.bfloat16)
+    w = (torch.rand(40, generator=gen) + 0.5).to(torch.bfloat16)
+    other = torch.randn(3, 24, generator=gen).to(torch.bfloat16)
+    with cpu_path(path):
+        torch.library.opcheck(torch.ops.k3fusion.rms_norm_and_copy.default,
+                              (x, w, 1e-6, other, False, None))
+
+
+def test_copy_form_compiles_for_hopper_with_16_byte_accesses() -> None:
+    """The launch with ``copy=`` at the tail's widths (L 3584 -> a 4096 block, H 7168 -> one
+    8192 copy tile) compiles for sm_90, with the 16-divisibility hints real K3 launches get:
+    every global access is 16 bytes wide (x, w and the copy's 8 per thread, 4 + 8 stores)."""
+    from _ptx import run_compile_script
+
+    script = """
+import re
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3fusion.kernels.rms_norm import _rms_norm_kernel as k
+names = [p.name for p in k.params]
+const = dict(BLOCK_COLS=4096, ROWS=1, WEIGHT_IN_FP32=False, ROUND_DTYPE=tl.bfloat16,
+             COPY=True, COPY_BLOCK=8192, COPY_ROWS=1)
+sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr")
+       else "fp32" if n.endswith("eps") else "i32" for n in names}
+hinted = [n for n in names if n.endswith(("_ptr", "stride")) or n in ("n_cols", "n_copy_cols")]
+src = ASTSource(fn=k, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in hinted})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+loads = re.findall(r"ld\\.global[^\\n]*", ptx)
+stores = re.findall(r"st\\.global[^\\n]*", ptx)
+print(sum(".v4" in l for l in loads), len(loads), sum(".v4" in s for s in stores), len(stores))
+"""
+    v4_loads, loads, v4_stores, stores = map(int, run_compile_script(script, "the copy form")
+                                             .split())
+    assert (v4_loads, v4_stores) == (16, 12) and loads == v4_loads and stores == v4_stores

@@ -1,7 +1,8 @@
 """One-run probe of the latent-MoE tail's candidate forms (issue 17), on one GPU.
 
 ``python -m k3fusion.bench.moe_tail_probe --out DIR [--tokens T ...] [--skip-autotune]
-[--autotune-tokens T ...] [--budget-s S] [--skip-triton] [--skip-inductor] [--dry-run]``
+[--autotune-tokens T ...] [--budget-s S] [--skip-triton] [--skip-inductor] [--quick]
+[--dry-run]``
 
 For each T (default 1 2 4 8 16 32 64 128 512 4096), bf16, L 3584 -> H 7168, HF-style norm
 (eps 1e-6), CUDA-graph replay medians (``timing.cuda_graph_us``; inputs and weights rotated
@@ -10,7 +11,14 @@ past L2), in us:
 * ``floor``: the HBM floor (every byte once at 4.3 TB/s);
 * ``gemm``: cuBLAS ``h @ up_w.T`` alone (``h`` normalized beforehand: the target);
 * ``norm``: the norm launch alone (``k3fusion::rms_norm``);
-* ``norm_addmm``: the norm launch + cuBLAS ``addmm(shared, h, up_w.T)`` (beta-add epilogue);
+* ``norm_addmm``: the norm launch + cuBLAS ``addmm(shared, h, up_w.T)`` (beta-add epilogue;
+  out of place, so torch copies ``shared`` into the output in a launch of its own first);
+* ``norm_mm_add``: the norm launch, ``h @ up_w.T``, ``shared +`` (three launches: the tp = 1
+  unfused tiers before issue 17's phase 2);
+* ``norm_copy_addmm``: ``k3fusion::rms_norm_and_copy`` (the norm's launch also copies
+  ``shared``) + ``addmm_`` into the copy (two launches: the tp = 1 unfused tiers now);
+* ``donated_addmm``: the norm launch + ``shared.addmm_(h, up_w.T)`` (a donated ``shared``:
+  no copy at all; each set's ``shared`` is a private clone, accumulated into by every replay);
 * ``op``: ``torch.ops.k3fusion.latent_moe_tail`` today (tier selected per call);
 * ``kernel``: the fused kernel's default launch (T <= 64);
 * ``tri:<label>``: the fused kernel's candidate forms (:func:`candidates`: ``pre_*`` the
@@ -31,6 +39,10 @@ the others (cuBLAS, Inductor, the op) within the tier tests' bound
 a wrong one is flagged (``!`` and the ``wrong`` column) and left out of "best". A candidate that fails to compile or
 launch (e.g. out of shared memory) is recorded with its error, not fatal.
 
+``--quick``: T 1 4 8 12 16 64 512 4096 (unless ``--tokens``), no Inductor compiles, and of
+the fused kernel's forms only ``QUICK_CANDIDATES`` (at 2 <= T <= 16) besides the baselines
+above (``norm_addmm`` left out): the one short confirmation run, predicted ~1-1.5 min.
+
 Writes ``DIR/moe_tail_probe.json`` (raw: every time, check ratio, error; date, GPU,
 versions) and prints a compact table last. ``--dry-run``: every variant at a tiny size on
 the CPU under ``TRITON_INTERPRET=1`` (set before k3fusion is imported), checked, not timed.
@@ -49,6 +61,11 @@ from pathlib import Path
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096)
 AUTOTUNE_TOKENS = (1, 16, 64, 512, 4096)
+#: ``--quick``'s T: 8 / 12 / 16 bracket the fused kernel's selection limit (cuBLAS switches
+#: GEMM kernels between 8 and 16 rows: 18.5 -> 15.9 us).
+QUICK_TOKENS = (1, 4, 8, 12, 16, 64, 512, 4096)
+#: ``--quick``'s fused-kernel forms: the PDL form that phase 1 found fastest at T = 2-16.
+QUICK_CANDIDATES = ("pdl_n64_s1",)
 LATENT, HIDDEN = 3584, 7168
 EPS = 1e-6
 #: Rows checked per T (spread over all row tiles).
@@ -126,6 +143,9 @@ def main(argv=None) -> int:
                    help="no fused-kernel variants (kernel, tri:*): baselines and compiles only")
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="after this many seconds, skip the remaining max-autotune compiles")
+    p.add_argument("--quick", action="store_true",
+                   help="T 1 4 8 12 16 64 512 4096, no Inductor compiles, of the kernel's "
+                        "forms only QUICK_CANDIDATES")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes on the CPU in Triton's interpreter; checks, no timing")
     args = p.parse_args(argv)
@@ -156,7 +176,9 @@ def _run(args) -> int:
         raise SystemExit("the probe needs a CUDA GPU (or --dry-run)")
     device = "cpu" if dry else "cuda"
     latent, hidden = (DRY_LATENT, DRY_HIDDEN) if dry else (LATENT, HIDDEN)
-    tokens = args.tokens or list(DRY_TOKENS if dry else TOKENS)
+    tokens = args.tokens or list(DRY_TOKENS if dry else QUICK_TOKENS if args.quick else TOKENS)
+    if args.quick:
+        args.skip_inductor = True
     if any(t < 1 for t in tokens):
         raise SystemExit("--tokens values must be >= 1")
     dtype = torch.bfloat16
@@ -178,6 +200,11 @@ def _run(args) -> int:
         return shared + hf_rms_norm(routed, norm_w, EPS) @ up_w.T
 
     norm_op = torch.ops.k3fusion.rms_norm
+    norm_copy = torch.ops.k3fusion.rms_norm_and_copy
+
+    def norm_copy_addmm(r, s, w, u, h):
+        normed, out = norm_copy(r, w, EPS, s, False, None)
+        return out.addmm_(normed, u.T)
 
     def compiled(mode):
         import torch._functorch.config as functorch_config
@@ -199,6 +226,8 @@ def _run(args) -> int:
         "gemm": lambda r, s, w, u, h: h @ u.T,
         "norm": lambda r, s, w, u, h: norm_op(r, w, EPS, False, None),
         "norm_addmm": lambda r, s, w, u, h: torch.addmm(s, norm_op(r, w, EPS, False, None), u.T),
+        "norm_mm_add": lambda r, s, w, u, h: s + norm_op(r, w, EPS, False, None) @ u.T,
+        "norm_copy_addmm": norm_copy_addmm,
         "op": lambda r, s, w, u, h: torch.ops.k3fusion.latent_moe_tail(r, s, w, EPS, u, None),
     }
 
@@ -240,9 +269,10 @@ def _run(args) -> int:
         row = {"T": t, "floor_us": hbm_floor_us(nbytes(t)), "input_sets": n_sets,
                "us": {}, "check": {}, "errors": {}}
 
-        def measure(name, fn, check=True):
+        def measure(name, fn, check=True, arg_sets=None):
+            arg_sets = sets if arg_sets is None else arg_sets
             try:
-                out = fn(*sets[0])
+                out = fn(*arg_sets[0])
                 if check:
                     o = out[idx].double()
                     tier = float(((o - exact).abs() / tier_bound).max())
@@ -253,17 +283,26 @@ def _run(args) -> int:
                     row["check"][name] = {"ok": ok, "worst_of_bound": ratio,
                                           "of_kernel_bound": kern, "of_tier_bound": tier}
                 if not dry:
-                    row["us"][name] = cuda_graph_us(fn, sets)
+                    row["us"][name] = cuda_graph_us(fn, arg_sets)
             except Exception as e:  # noqa: BLE001 - record (e.g. out of shared memory), go on
                 row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
                 if dry:
                     traceback.print_exc()
 
         for name, fn in base.items():
+            if args.quick and name == "norm_addmm":
+                continue
             measure(name, fn, check=name not in ("gemm", "norm"))
-        if t <= MAX_TOKENS and not args.skip_triton:
+        # In place into each set's own clone of shared (first call checked, before replays).
+        measure("donated_addmm",
+                lambda r, s, w, u, h: s.addmm_(norm_op(r, w, EPS, False, None), u.T),
+                arg_sets=[(r, s.clone(), w, u, h) for r, s, w, u, h in sets])
+        if t <= MAX_TOKENS and not args.skip_triton and not args.quick:
             measure("kernel", lambda r, s, w, u, h: launch(r, s, w, EPS, u))
-        for label, opts in ({} if args.skip_triton else candidates(t)).items():
+        forms = {} if args.skip_triton else candidates(t)
+        if args.quick:
+            forms = {k: v for k, v in forms.items() if k in QUICK_CANDIDATES and 2 <= t <= 16}
+        for label, opts in forms.items():
             if opts.get("pdl") and pdl_error:
                 row["errors"][f"tri:{label}"] = f"skipped (PDL preflight: {pdl_error})"
                 continue
@@ -285,7 +324,9 @@ def _run(args) -> int:
         best = min(tri, key=tri.get) if tri else None
         print(f"T={t}: {len(us)} timed, {len(row['errors'])} errors, wrong: {wrong or 'none'}"
               + "".join(f", {k} {us[k]:.1f}" for k in ("gemm", "norm_addmm", "op", "kernel",
-                                                       "inductor", "autotune") if k in us)
+                                                       "inductor", "autotune",
+                                                       "norm_copy_addmm", "donated_addmm")
+                          if k in us)
               + (f", best {best} {tri[best]:.1f}" if best else "")
               + f" ({row['elapsed_s']:.0f} s)", flush=True)
         del sets
@@ -314,7 +355,8 @@ def table(result: dict) -> str:
     """Compact: per T the floor, the baselines, today's op, the best correct candidate."""
     head = (f"moe_tail_probe {result['gpu']} {result['date']} torch {result['torch']} "
             f"triton {result['triton']} L {result['latent']} -> H {result['hidden']} bf16, us")
-    cols = ("floor", "gemm", "norm_addmm", "op", "kernel", "inductor", "autotune")
+    cols = ("floor", "gemm", "norm_addmm", "norm_mm_add", "norm_copy_addmm", "donated_addmm",
+            "op", "kernel", "inductor", "autotune")
     lines = [head, "T | " + " | ".join(cols) + " | best tri (us) | best/gemm | wrong"]
     for r in result["rows"]:
         us, chk = r["us"], r["check"]

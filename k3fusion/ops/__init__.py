@@ -18,7 +18,7 @@ from ._args import check_rms_norm_args
 from .attn_res import attn_res, attn_res_, check_attn_res_args
 from .dual_rms_norm import dual_rms_norm
 from .latent_moe_tail import latent_moe_tail, resolve_group
-from .rms_norm import rms_norm
+from .rms_norm import rms_norm, rms_norm_and_copy
 
 __all__ = ["check_rms_norm_args", "dual_rms_norm", "attn_res_", "attn_res", "check_attn_res_args",
-           "latent_moe_tail", "resolve_group", "rms_norm"]
+           "latent_moe_tail", "resolve_group", "rms_norm", "rms_norm_and_copy"]

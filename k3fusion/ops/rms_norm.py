@@ -1,4 +1,5 @@
-"""``k3fusion::rms_norm``: one RMSNorm in one launch (the latent-MoE tail's unfused tiers)."""
+"""``k3fusion::rms_norm``: one RMSNorm in one launch (the latent-MoE tail's unfused tiers);
+``k3fusion::rms_norm_and_copy``: the same launch also copying the shared partial (tp = 1)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from .. import reference
 from ._args import _NORM_DTYPES, _new_norm_output, _rows, check_rms_norm_args
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "rms_norm_and_copy"]
 
 
 def _check(x, w, eps, weight_in_fp32, norm_dtype) -> None:
@@ -59,6 +60,69 @@ def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
     from k3fusion.kernels._launch import interpreter_enabled
 
     return _rms_norm_impl(x, w, eps, weight_in_fp32, norm_dtype, interpreter_enabled())
+
+
+# ---------------------------------------------------------------------- norm + copy
+
+
+def _check_copy(x, other) -> None:
+    if not isinstance(other, torch.Tensor):
+        raise TypeError(f"other must be a Tensor, got {type(other).__name__}")
+    if other.device != x.device:
+        raise ValueError(f"other is on {other.device} but x is on {x.device}")
+    if other.dim() < 1 or tuple(other.shape[:-1]) != tuple(x.shape[:-1]):
+        raise ValueError(f"other must have x's leading dims {tuple(x.shape[:-1])}, got shape "
+                         f"{tuple(other.shape)}")
+    if other.stride(-1) != 1 and other.shape[-1] > 1:
+        raise ValueError(f"other must be contiguous in its last dim, got stride {other.stride(-1)}")
+
+
+@torch.library.custom_op("k3fusion::rms_norm_and_copy", mutates_args=())
+def rms_norm_and_copy(x: torch.Tensor, w: torch.Tensor, eps: float, other: torch.Tensor,
+                      weight_in_fp32: bool = False,
+                      norm_dtype: Optional[torch.dtype] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x, w, eps, ...), other.clone())`` in the norm's one launch (``other``
+    has ``x``'s leading dims; the copy is contiguous). The tail's tp = 1 unfused tiers
+    beta-add the GEMM into the copy in place (``addmm_``), so the add needs no launch of
+    its own; the norm is :func:`rms_norm`'s, bit for bit."""
+    raise NotImplementedError(f"k3fusion::rms_norm_and_copy has no kernel for {x.device.type}")
+
+
+@rms_norm_and_copy.register_fake
+def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
+    _check(x, w, eps, weight_in_fp32, norm_dtype)
+    _check_copy(x, other)
+    return (_new_norm_output(x, w, weight_in_fp32, norm_dtype),
+            other.new_empty(other.shape))
+
+
+def _rms_norm_and_copy_impl(x, w, eps, other, weight_in_fp32, norm_dtype, use_kernel: bool):
+    _check(x, w, eps, weight_in_fp32, norm_dtype)
+    _check_copy(x, other)
+    if not use_kernel:
+        y = reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype).contiguous()
+        return y, other.clone(memory_format=torch.contiguous_format)
+    from k3fusion.kernels import rms_norm as launch
+
+    y = _new_norm_output(x, w, weight_in_fp32, norm_dtype)
+    out = other.new_empty(other.shape)
+    launch(_rows(x), w, eps, _rows(y), weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype,
+           copy=(_rows(other), out.view(-1, other.shape[-1])))
+    return y, out
+
+
+@rms_norm_and_copy.register_kernel("cuda")
+def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
+    return _rms_norm_and_copy_impl(x, w, eps, other, weight_in_fp32, norm_dtype, True)
+
+
+@rms_norm_and_copy.register_kernel("cpu")
+def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
+    from k3fusion.kernels._launch import interpreter_enabled
+
+    return _rms_norm_and_copy_impl(x, w, eps, other, weight_in_fp32, norm_dtype,
+                                   interpreter_enabled())
 
 
 _rms_norm_op = rms_norm
