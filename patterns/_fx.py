@@ -15,7 +15,7 @@ __all__ = [
     "NoMatch", "aten", "prims", "is_op", "strip_casts", "matmul_operands", "val", "dtype_of", "operands", "only_user",
     "is_graph_input", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
-    "row_padded", "through_row_padding",
+    "row_padded", "through_row_padding", "slice_args", "keepdim_of",
 ]
 
 # Reshapes (what a Linear's [B, S, K] -> [T, K] flattening lowers to).
@@ -60,6 +60,22 @@ def operands(node: Node, other: Node) -> object:
     if b is other and a is not other:
         return a
     raise NoMatch(f"{node.name} does not read {other.name} exactly once")
+
+
+def slice_args(node: Node) -> tuple:
+    """``aten.slice.Tensor``'s (dim, start, end, step), defaults filled in."""
+    args = list(node.args[1:]) + [None] * 4
+    dim, start, end, step = args[:4]
+    dim = node.kwargs.get("dim", 0 if dim is None else dim)
+    start = node.kwargs.get("start", start)
+    end = node.kwargs.get("end", end)
+    step = node.kwargs.get("step", 1 if step is None else step)
+    return dim, start, end, step
+
+
+def keepdim_of(node: Node) -> bool:
+    """The keepdim argument of a reduction ``op(x, dims, keepdim=False, ...)``."""
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
 
 
 def strip_casts(node: object) -> object:

@@ -39,7 +39,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, dtype_of, erase_unused,
-                  external_users, fake_call, hoist_before, is_graph_input, is_op,
+                  external_users, fake_call, hoist_before, is_graph_input, is_op, keepdim_of, slice_args,
                   matmul_operands, only_user, operands, plan_size_reads, prims, strip_casts,
                   val)
 from .rms_norm import (RMSNormMatch, eps_op_args, inverse_rms, parameter_weight, same_input,
@@ -231,6 +231,8 @@ def _mix(div: Node, sources: Node, x32: Node) -> tuple[Node, list[Node]]:
     if not (is_op(total, aten.sum.dim_IntList) and len(total.args[1]) == 1
             and _dim_is(weighted, total.args[1][0], -2)):
         raise NoMatch("weighted sources are not summed over the source dim")
+    if keepdim_of(total) or total.kwargs.get("dtype") is not None:
+        raise NoMatch("the mix's sum keeps the source dim (keepdim=True) or has a dtype")
     nodes += [p, weighted, total]
     mixed = total
     if dtype_of(total) != dtype_of(sources):
@@ -277,8 +279,10 @@ def _source_layout(sources: Node) -> tuple[Node, list[Node] | None, Node | None,
             raise NoMatch("last source is not the prefix")
         n = int(val(blocks).shape[-2])
         if is_op(blocks, aten.slice.Tensor):
-            if not (_dim_is(blocks, blocks.args[1], -2) and blocks.args[2] == 0):
-                raise NoMatch("blocks are not a leading slice of a bank")
+            dim, start, _, step = slice_args(blocks)
+            if not (_dim_is(blocks, dim, -2) and start in (0, None) and step == 1):
+                raise NoMatch(f"blocks are bank[{start}::{step}] over dim {dim}, not a "
+                              f"leading slice bank[:n] of the source dim")
             bank, nodes = blocks.args[0], [sources, blocks, last]
         else:  # the slice of the whole bank was simplified away
             bank, nodes = blocks, [sources, last]
