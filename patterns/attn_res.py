@@ -15,6 +15,22 @@ What a site computes, as module code writes it (source dim -2)::
 The kernel computes keys, logits and the mix in fp32 (``k3fusion.reference.attn_res``);
 a module that rounds its keys or mix to bf16 gets the same function up to that rounding.
 
+Other spellings of the same site (MoonshotAI's reference and its copies)::
+
+    V       = stack(blocks + [prefix])                # sources first: [S, ..., H], or
+            | bank[:n + 1] after bank[n] = prefix     # a preallocated sources-first bank
+    keys    = RMSNorm_g(V) | F.rms_norm(V, (H,))      # no weight: weight 1
+    logits  = einsum('d, n b t d -> n b t', w, keys)  # w: Linear(H, 1).weight squeezed, or
+            | (keys * q[i]).sum(-1)                   # a row of a [sites, H] parameter
+    logits  = logits - logits.max(0, keepdim=True)    # optional (softmax is shift-invariant)
+    mixed   = einsum('n b t, n b t d -> b t d', softmax(logits, 0), V)
+
+The source dim is the softmax's; every other fact is checked against it: the dims of
+the norm, the projection, the sum or contraction of the mix (a small algebra of views,
+``_fx.view_layout``, follows the reshapes and permutes an einsum lowers to), the slices
+(start 0, step 1), keepdim, the shapes (no broadcast) and each rounding's dtype. A
+sources-first tensor bank reaches the op as a permuted view (no copy).
+
 Sources: for a list bank the completed blocks are stacked once per distinct block list
 (the sites of one block share it) instead of restacking blocks *and* prefix at every
 site; a tensor bank is read in place. A block write into a tensor bank
@@ -788,6 +804,10 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]
         except NoMatch as e:
             if is_op(div.args[0], aten.exp.default):  # a softmax: say why it is not a site
                 misses.append(f"softmax {div.name}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001  a form the matcher did not foresee: a miss,
+            # never a failed compile (matching only reads the graph)
+            misses.append(f"softmax {div.name}: not understood ({type(e).__name__}: {e})")
             continue
         try:
             plan = _plan(graph, site, by_input, claimed)
