@@ -439,7 +439,9 @@ def _mix(div: Node, sources: Node, x32: Node, sd: int) -> tuple[Node, list[Node]
     (cast back if computed in fp32) -> (mixed, nodes)."""
     nodes = []
     p = only_user(div)
-    if is_op(p, _CAST):
+    for _ in range(2):  # softmax(bf16 logits) rounds to bf16; .float() may follow
+        if not is_op(p, _CAST):
+            break
         if p.args[1] not in (dtype_of(sources), torch.float32):
             raise NoMatch(f"softmax weights rounded to {p.args[1]}")
         nodes.append(p)

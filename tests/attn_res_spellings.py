@@ -171,8 +171,12 @@ class AttnResModel(nn.Module):
         return torch.einsum("n b t, n b t d -> b t d", logits.softmax(0), V)
 
     def multi_source_sites(self) -> int:
-        """AttnRes steps over more than one source (what must fuse)."""
-        L = len(self.layers)
-        if self.spelling == "full":
-            return 2 * L  # the first step reads the embedding alone
-        return 2 * L + 1 - 1  # layer 0's attention-side step reads the embedding alone
+        """AttnRes steps over more than one source (what must fuse): all 2L + 1 but the
+        first, which reads the embedding alone."""
+        return 2 * len(self.layers)
+
+    def fused_sites(self) -> int:
+        """What fuses: the multi-source steps, and in the sources-last spelling the first
+        too (its ``stack([x], -2)`` stays a site; a sources-first einsum over one source
+        lowers to a plain multiply, no longer a contraction)."""
+        return self.multi_source_sites() + (self.spelling == "sources_last")

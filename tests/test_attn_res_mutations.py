@@ -11,6 +11,8 @@ real compile in ``test_attn_res_misfires.py``.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,12 @@ MUTATIONS = {
     "mix_fp32": False,              # the mix left in fp32 (another output dtype)
     "keys_fp16": False,             # keys rounded to another dtype
 }
+
+
+#: ATTN_RES_MUTATIONS=a,b narrows the draw (a developer's knob, e.g. to replay a class of
+#: bugs against older code); CI draws from the whole catalogue.
+DRAWN = sorted(os.environ.get("ATTN_RES_MUTATIONS", "").split(",")) if os.environ.get(
+    "ATTN_RES_MUTATIONS") else sorted(MUTATIONS)
 
 
 class Site(nn.Module):
@@ -146,7 +154,7 @@ def _bound(dtype):
 @pytest.mark.usefixtures("fresh_state")
 @pytest.mark.parametrize("spelling", ["sources_last", "sources_first"])
 @settings(max_examples=10, deadline=None)
-@given(mutation=st.sampled_from(sorted(MUTATIONS)),
+@given(mutation=st.sampled_from(DRAWN),
        n=st.integers(1, 3), tokens=st.integers(1, 4),
        dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16]),
        seed=st.integers(0, 2 ** 16))
@@ -164,8 +172,13 @@ def test_mutated_site(spelling, mutation, n, tokens, dtype, seed):
         be = CaptureBackend()
         out = torch.compile(m, backend=be, dynamic=False, fullgraph=True)(bank, prefix)
     fused = count_op(be.graph_after, ATTN_RES)
-    assert fused == int(MUTATIONS[mutation]), (mutation, spelling, fused)
     outs = out if isinstance(out, tuple) else (out,)
     exps = expected if isinstance(expected, tuple) else (expected,)
+    # (separate asserts: hypothesis reports a misfire and a miss as two bugs)
+    assert [tuple(a.shape) for a in outs] == [tuple(b.shape) for b in exps], "output shape"
     for a, b in zip(outs, exps):
         torch.testing.assert_close(a.float(), b.float(), **_bound(dtype))
+    if MUTATIONS[mutation]:
+        assert fused == 1, f"miss: {mutation} keeps the op's semantics but was not fused"
+    else:
+        assert fused == 0, f"misfire: {mutation} changes the semantics but was fused"
