@@ -14,10 +14,11 @@ from . import moe_tail  # noqa: F401  registers the fused-tail (TAIL_FUSION) ker
 from .backend import install, uninstall
 from .config import FusionConfig, get_config, set_config
 from .counters import match_counts, reset_match_counts
+from .explain import explain
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FusionConfig", "get_config", "set_config", "install", "uninstall",
-    "match_counts", "reset_match_counts", "__version__",
+    "match_counts", "reset_match_counts", "explain", "__version__",
 ]

@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return bench(argv[1:])
+    if argv[:1] == ["explain"]:
+        from k3fusion.explain import main_explain
+        return main_explain(argv[1:])
     args = _parse(argv)
     report = run(args)
     if args.json:

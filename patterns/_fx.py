@@ -15,7 +15,8 @@ __all__ = [
     "NoMatch", "aten", "prims", "is_op", "strip_casts", "matmul_operands", "val", "dtype_of", "operands", "only_user",
     "is_graph_input", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
-    "row_padded", "through_row_padding",
+    "row_padded", "through_row_padding", "slice_args", "keepdim_of",
+    "LAYOUT_OPS", "view_layout",
 ]
 
 # Reshapes (what a Linear's [B, S, K] -> [T, K] flattening lowers to).
@@ -60,6 +61,22 @@ def operands(node: Node, other: Node) -> object:
     if b is other and a is not other:
         return a
     raise NoMatch(f"{node.name} does not read {other.name} exactly once")
+
+
+def slice_args(node: Node) -> tuple:
+    """``aten.slice.Tensor``'s (dim, start, end, step), defaults filled in."""
+    args = list(node.args[1:]) + [None] * 4
+    dim, start, end, step = args[:4]
+    dim = node.kwargs.get("dim", 0 if dim is None else dim)
+    start = node.kwargs.get("start", start)
+    end = node.kwargs.get("end", end)
+    step = node.kwargs.get("step", 1 if step is None else step)
+    return dim, start, end, step
+
+
+def keepdim_of(node: Node) -> bool:
+    """The keepdim argument of a reduction ``op(x, dims, keepdim=False, ...)``."""
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
 
 
 def strip_casts(node: object) -> object:
@@ -236,3 +253,101 @@ def erase_unused(graph: Graph, nodes: Iterable[Node]) -> None:
     for n in sorted(set(nodes), key=order.__getitem__, reverse=True):
         if not n.users:
             graph.erase_node(n)
+
+
+# --------------------------------------------------------------------------- view layouts
+
+#: Ops that only rearrange a tensor's elements without changing a value (einsum and
+#: matmul lowerings wrap their bmm in chains of these).
+LAYOUT_OPS = frozenset({
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+    aten.squeeze.dims, aten.clone.default, aten.alias.default,
+})
+
+
+def _known(cond) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(cond))
+
+
+def view_layout(node: Node, start: tuple[Node, list] | None = None, stops=()
+                ) -> tuple[Node, list[tuple], list[Node]]:
+    """Follow a chain of :data:`LAYOUT_OPS` back to its base tensor.
+
+    -> (base, layout, chain): ``layout[d]`` lists the base dims (atoms ``(base, i)``, in
+    row-major order) that ``node``'s dim ``d`` merges, size-1 dims listing none; ``chain``
+    the ops walked (never past ``stops``). ``start=(base, layout)`` stops the walk at ``base`` and gives its
+    layout in other atoms (a product's result in its operands' atoms). A reshape that
+    would split an atom (a layout this algebra cannot name) raises NoMatch, as does a
+    size it cannot prove equal (dynamic shapes: no guard is ever added).
+    """
+    chain = []
+    n = node
+    while is_op(n, *LAYOUT_OPS) and (start is None or n is not start[0]) and n not in stops:
+        chain.append(n)
+        n = n.args[0]
+    base = n
+    if start is not None:
+        if base is not start[0]:
+            raise NoMatch(f"{node.name} is not a view of {start[0].name}")
+        layout = list(start[1])
+    else:
+        layout = [() if _known(s == 1) else ((base, i),) for i, s in enumerate(val(base).shape)]
+    for op in reversed(chain):
+        layout = _layout_step(op, layout)
+    if len(layout) != val(node).dim():
+        raise NoMatch(f"{node.name}: layout of rank {len(layout)} for a rank-{val(node).dim()} value")
+    return base, layout, chain
+
+
+def _atom_size(atom):
+    return val(atom[0]).shape[atom[1]]
+
+
+def _layout_step(op: Node, layout: list) -> list:
+    rank_in = len(layout)
+    out_shape = val(op).shape
+    if op.target in (aten.clone.default, aten.alias.default):
+        return layout
+    if op.target is aten.permute.default:
+        dims = [d % rank_in for d in op.args[1]]
+        if sorted(dims) != list(range(rank_in)):
+            raise NoMatch(f"{op.name}: not a permutation")
+        return [layout[d] for d in dims]
+    if op.target is aten.unsqueeze.default:
+        d = op.args[1] % (rank_in + 1)
+        return layout[:d] + [()] + layout[d:]
+    if op.target in (aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims):
+        in_shape = val(op.args[0]).shape
+        if op.target is aten.squeeze.default:
+            cand = range(rank_in)
+        elif op.target is aten.squeeze.dim:
+            cand = [op.args[1] % rank_in] if rank_in else []
+        else:
+            cand = [d % rank_in for d in op.args[1]]
+        drop = [d for d in cand if _known(in_shape[d] == 1)]
+        if rank_in - len(drop) != len(out_shape):
+            raise NoMatch(f"{op.name}: cannot tell which dims it squeezes")
+        return [x for d, x in enumerate(layout) if d not in drop]
+    # reshape / view: regroup the atoms in row-major order
+    flat = [a for group in layout for a in group]
+    out, k = [], 0
+    for s in out_shape:
+        if _known(s == 1):
+            out.append(())
+            continue
+        group, prod = [], 1
+        while True:
+            if k >= len(flat):
+                raise NoMatch(f"{op.name}: reshape splits a dim")
+            group.append(flat[k])
+            prod = prod * _atom_size(flat[k])
+            k += 1
+            if _known(prod == s):
+                break
+        out.append(tuple(group))
+    if k != len(flat):
+        raise NoMatch(f"{op.name}: reshape splits a dim")
+    return out

@@ -15,6 +15,22 @@ What a site computes, as module code writes it (source dim -2)::
 The kernel computes keys, logits and the mix in fp32 (``k3fusion.reference.attn_res``);
 a module that rounds its keys or mix to bf16 gets the same function up to that rounding.
 
+Other spellings of the same site (MoonshotAI's reference and its copies)::
+
+    V       = stack(blocks + [prefix])                # sources first: [S, ..., H], or
+            | bank[:n + 1] after bank[n] = prefix     # a preallocated sources-first bank
+    keys    = RMSNorm_g(V) | F.rms_norm(V, (H,))      # no weight: weight 1
+    logits  = einsum('d, n b t d -> n b t', w, keys)  # w: Linear(H, 1).weight squeezed, or
+            | (keys * q[i]).sum(-1)                   # a row of a [sites, H] parameter
+    logits  = logits - logits.max(0, keepdim=True)    # optional (softmax is shift-invariant)
+    mixed   = einsum('n b t, n b t d -> b t d', softmax(logits, 0), V)
+
+The source dim is the softmax's; every other fact is checked against it: the dims of
+the norm, the projection, the sum or contraction of the mix (a small algebra of views,
+``_fx.view_layout``, follows the reshapes and permutes an einsum lowers to), the slices
+(start 0, step 1), keepdim, the shapes (no broadcast) and each rounding's dtype. A
+sources-first tensor bank reaches the op as a permuted view (no copy).
+
 Sources: for a list bank the completed blocks are stacked once per distinct block list
 (the sites of one block share it) instead of restacking blocks *and* prefix at every
 site; a tensor bank is read in place. A block write into a tensor bank
@@ -38,8 +54,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, dtype_of, erase_unused,
-                  external_users, fake_call, hoist_before, is_graph_input, is_op,
+from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, LAYOUT_OPS, view_layout, dtype_of, erase_unused,
+                  external_users, fake_call, hoist_before, is_graph_input, is_op, keepdim_of, slice_args,
                   matmul_operands, only_user, operands, plan_size_reads, prims, strip_casts,
                   val)
 from .rms_norm import (RMSNormMatch, eps_op_args, inverse_rms, parameter_weight, same_input,
@@ -74,63 +90,234 @@ class AttnResSite:
     #: Tensor bank: the bank (a version whose first ``num_blocks`` slots are the blocks).
     bank: Node | None
     num_blocks: int
-    norm_w: Node
+    #: None: an unweighted key norm (weight 1).
+    norm_w: Node | None
     proj_w: Node
     eps: float | Node
     #: The site's result in the model dtype (what the output norm, if any, reads).
     mixed: Node
     nodes: list[Node] = field(repr=False)
-
-
-def _last_dim(node: Node, dims) -> bool:
-    ndim = val(node).dim()
-    return len(dims) == 1 and dims[0] in (-1, ndim - 1)
+    #: The sources' dim (non-negative) in the module's layout: rank - 2 sources-last,
+    #: 0 sources-first (``torch.stack(blocks + [partial])``); the op reads a tensor bank
+    #: through a view moving it to -2, in place.
+    src_dim: int = -1
 
 
 def _dim_is(node: Node, dim: int, want: int) -> bool:
     """``dim`` of ``node``'s value is its ``want``-th dim from the end (want < 0)."""
-    return dim in (want, val(node).dim() + want)
+    return isinstance(dim, int) and dim in (want, val(node).dim() + want)
 
 
-def _softmax(div: Node) -> tuple[Node, list[Node]]:
-    """``exp(l - amax(l)) / sum(exp(...))`` over the last dim -> (fp32 logits, nodes)."""
+def _norm_dim(node: Node, dim) -> int:
+    """``dim`` of ``node``'s value as a non-negative index (NoMatch if not an int in range)."""
+    rank = val(node).dim()
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
+        raise NoMatch(f"dim {dim!r} of a rank-{rank} value")
+    return dim % rank
+
+
+def _one_dim(node: Node, dims) -> int:
+    """The single dim of a reduction's ``dims`` argument, non-negative."""
+    if not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        raise NoMatch(f"reduction over dims {dims!r}, not one dim")
+    return _norm_dim(node, dims[0])
+
+
+def _same_value(a: object, b: object, depth: int = 4) -> bool:
+    """``a`` and ``b`` compute the same tensor: the same node, or the same pure view /
+    cast / slice op of the same inputs (a traced graph repeats ``bank[:n + 1]``)."""
+    if a is b:
+        return True
+    if not (depth and isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "call_function"
+            and a.target is b.target and a.kwargs == b.kwargs and len(a.args) == len(b.args)
+            and (a.target in LAYOUT_OPS or a.target in (_CAST, aten.slice.Tensor))):
+        return False
+    return all(_same_value(x, y, depth - 1) if isinstance(x, Node) else x == y
+               for x, y in zip(a.args, b.args))
+
+
+def _softmax(div: Node) -> tuple[Node, int, list[Node]]:
+    """``exp(l - amax(l, d)) / sum(exp(...), d)`` -> (fp32 logits, d >= 0, nodes)."""
     if not is_op(div, aten.div.Tensor):
         raise NoMatch("not a division")
     exp, denom = div.args
     if not is_op(exp, aten.exp.default):
         raise NoMatch("not a softmax numerator")
     sub = exp.args[0]
-    if not is_op(sub, aten.sub.Tensor):
+    if not (is_op(sub, aten.sub.Tensor) and sub.kwargs.get("alpha", 1) == 1):
         raise NoMatch("softmax without max subtraction")
     logits, amax = sub.args
+    if not isinstance(logits, Node) or val(sub).shape != val(logits).shape:
+        raise NoMatch("softmax subtracts a broadcast value")
     if is_op(denom, operator.getitem) and is_op(denom.args[0], *_online_softmax_ops()):
         # CUDA: prepare_softmax_online(logits, dim) -> (max, sum of exp)
         online = denom.args[0]
-        if not (online.args[0] is logits and _dim_is(logits, online.args[1], -1)
-                and denom.args[1] == 1 and is_op(amax, operator.getitem)
+        if not (online.args[0] is logits and denom.args[1] == 1 and is_op(amax, operator.getitem)
                 and amax.args[0] is online and amax.args[1] == 0):
-            raise NoMatch("not an online softmax over the last dim")
+            raise NoMatch("not an online softmax of the logits")
+        d = _norm_dim(logits, online.args[1])
         nodes = [online, amax, denom, sub, exp, div]
     else:
         if not (is_op(denom, aten.sum.dim_IntList) and denom.args[0] is exp
-                and _last_dim(exp, denom.args[1])
-                and (denom.args[2] if len(denom.args) > 2 else denom.kwargs.get("keepdim"))):
+                and keepdim_of(denom) and denom.kwargs.get("dtype") is None):
             raise NoMatch("not a softmax denominator")
-        if not (is_op(amax, aten.amax.default) and amax.args[0] is logits
-                and _last_dim(logits, amax.args[1])):
-            raise NoMatch("softmax without amax")
+        d = _one_dim(exp, denom.args[1])
+        if not (is_op(amax, aten.amax.default) and amax.args[0] is logits and keepdim_of(amax)
+                and _one_dim(logits, amax.args[1]) == d):
+            raise NoMatch("softmax without amax over its own dim")
         nodes = [amax, sub, exp, denom, div]
     if dtype_of(logits) != torch.float32:
         raise NoMatch(f"softmax in {dtype_of(logits)}, not float32")
-    return logits, nodes
+    if dtype_of(div) != torch.float32 or val(div).shape != val(logits).shape:
+        raise NoMatch("softmax result is not the logits' shape in float32")
+    return logits, d, nodes
+
+
+def _minus_max(logits: Node, d: int) -> tuple[Node, list[Node]]:
+    """``l - max(l, d, keepdim=True)`` (or amax) written by the module before its softmax:
+    the softmax is shift-invariant, so the site reads ``l`` -> (l, nodes)."""
+    if not (is_op(logits, aten.sub.Tensor) and logits.kwargs.get("alpha", 1) == 1):
+        return logits, []
+    raw, mx = logits.args
+    if not isinstance(raw, Node) or val(logits).shape != val(raw).shape:
+        return logits, []
+    if is_op(mx, operator.getitem) and mx.args[1] == 0 and is_op(mx.args[0], aten.max.dim):
+        red = mx.args[0]
+        if not (red.args[0] is raw and _norm_dim(raw, red.args[1]) == d and keepdim_of(red)):
+            return logits, []
+        return raw, [logits, mx, red]
+    if is_op(mx, aten.amax.default) and mx.args[0] is raw and keepdim_of(mx) \
+            and _one_dim(raw, mx.args[1]) == d:
+        return raw, [logits, mx]
+    return logits, []
+
+
+def _query_vector(node: object) -> tuple[Node, list[Node]]:
+    """The pseudo-query ``w [H]``: a ``[1, H]`` or ``[H]`` parameter (a Linear(H, 1)
+    weight), or one row ``q[i]`` of a ``[sites, H]`` parameter, optionally ``.float()``.
+    -> (a node whose value views as ``[H]``, nodes)."""
+    nodes = []
+    if is_op(node, _CAST) and node.args[1] == torch.float32:
+        nodes.append(node)
+        node = node.args[0]
+    if is_graph_input(node) and (val(node).dim() == 1 or (val(node).dim() == 2
+                                                          and val(node).shape[0] == 1)):
+        return node, nodes
+    if (is_op(node, aten.select.int) and is_graph_input(node.args[0])
+            and val(node.args[0]).dim() == 2 and node.args[1] in (0, -2)):
+        return node, nodes + [node]
+    raise NoMatch("pseudo-query is not a [1, H] / [H] parameter or a row of a [sites, H] one")
+
+
+def _leading_layout(t: Node, skip: int | None = None) -> list[tuple]:
+    """The layout of a value with ``t``'s dims but the last (and ``skip``), in
+    :func:`view_layout`'s atoms ``(t, dim)``."""
+    shape = val(t).shape
+    return [() if _one(shape[i]) else ((t, i),) for i in range(len(shape) - 1) if i != skip]
+
+
+def _one(size) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(size == 1))
+
+
+def _operand_layouts(product: Node, stops=()) -> list[tuple]:
+    """bmm / mm operands as (base, [batch, rows, inner], chain) each."""
+    sides = []
+    for k, x in enumerate(product.args[:2]):
+        base, layout, chain = view_layout(x, stops=stops)
+        if is_op(product, aten.mm.default):
+            layout = [()] + layout
+        if len(layout) != 3:
+            raise NoMatch(f"{product.name}: operand of rank {len(layout)}")
+        if k == 1:  # [batch, inner, cols] -> [batch, cols, inner]
+            layout = [layout[0], layout[2], layout[1]]
+        sides.append((base, layout, chain))
+    return sides
+
+
+def _result_layout(node: Node, product: Node, batch: tuple, a_rows: tuple, b_cols: tuple
+                   ) -> tuple[list, list]:
+    """``node``'s layout (in the operands' atoms) when it views the product."""
+    out = [batch, a_rows, b_cols] if is_op(product, aten.bmm.default) else [a_rows, b_cols]
+    _, layout, chain = view_layout(node, start=(product, out))
+    return layout, chain
+
+
+def _contraction_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
+    """Logits as an einsum / matmul lowers them: ``bmm``/``mm`` of the keys and the
+    pseudo-query, wrapped in reshapes and permutes (``einsum('d, ...d -> ...', w, K)``)."""
+    product = logits
+    while is_op(product, *LAYOUT_OPS):
+        product = product.args[0]
+    if not is_op(product, aten.bmm.default, aten.mm.default):
+        raise NoMatch("logits are neither a projection nor a contraction with a query")
+    sides = _operand_layouts(product)
+    for (wb, wl, wc), (kb, kl, kc), w_first in ((sides[0], sides[1], True),
+                                                 (sides[1], sides[0], False)):
+        try:
+            proj_w, w_nodes = _query_vector(wb)
+        except NoMatch:
+            continue
+        keys = kb
+        width = val(keys).shape[-1]
+        w_atoms = [(wb, i) for i, s in enumerate(val(wb).shape) if not _one(s)]
+        r = val(keys).dim()
+        if not (wl[0] == () and kl[0] == () and wl[1] == () and len(w_atoms) == 1
+                and wl[2] == tuple(w_atoms) and kl[2] == ((keys, r - 1),)
+                and val(wb).shape[w_atoms[0][1]] == width):
+            raise NoMatch("the contraction with the query is not over the keys' last dim")
+        rows, cols = (wl[1], kl[1]) if w_first else (kl[1], wl[1])
+        layout, out_chain = _result_layout(logits, product, (), rows, cols)
+        if layout != _leading_layout(keys):
+            raise NoMatch("logits do not keep the keys' leading dims in order")
+        return keys, proj_w, out_chain + [product] + wc + kc + w_nodes
+    raise NoMatch("contraction without a pseudo-query parameter")
+
+
+def _mul_sum_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
+    """``(keys * q).sum(-1)`` with a pseudo-query vector ``q``."""
+    if not (is_op(logits, aten.sum.dim_IntList) and not keepdim_of(logits)
+            and logits.kwargs.get("dtype") is None):
+        raise NoMatch("logits are not a projection")
+    prod = logits.args[0]
+    if not is_op(prod, _MUL) or _one_dim(prod, logits.args[1]) != val(prod).dim() - 1:
+        raise NoMatch("logits are not a projection")
+    for keys, q in (prod.args, prod.args[::-1]):
+        if not isinstance(keys, Node) or not isinstance(q, Node):
+            continue
+        try:
+            proj_w, w_nodes = _query_vector(q)
+        except NoMatch:
+            continue
+        if val(q).dim() != 1 or val(prod).shape != val(keys).shape:
+            raise NoMatch("the query broadcasts over more than the keys' rows")
+        return keys, proj_w, [logits, prod] + w_nodes
+    raise NoMatch("logits are not a projection")
 
 
 def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
-    """``Linear(H, 1)`` of the keys, squeezed -> (keys, proj weight param, nodes)."""
+    """The keys' logits -> (keys, pseudo-query [H] (a view of it), nodes)."""
     nodes = []
-    if is_op(logits, _CAST):  # logits.float() of model-dtype logits
+    if is_op(logits, _CAST) and logits.args[1] == torch.float32:  # logits.float()
         nodes.append(logits)
         logits = logits.args[0]
+    try:
+        keys, proj_w, more = _linear_projection(logits)
+    except NoMatch as first:
+        try:
+            keys, proj_w, more = _contraction_projection(logits)
+        except NoMatch:
+            try:
+                keys, proj_w, more = _mul_sum_projection(logits)
+            except NoMatch:
+                raise first from None
+    return keys, proj_w, nodes + more
+
+
+def _linear_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
+    """``Linear(H, 1)`` of the keys, squeezed -> (keys, proj weight param, nodes)."""
     if not (is_op(logits, aten.squeeze.dim) and _dim_is(logits.args[0], logits.args[1], -1)):
         raise NoMatch("logits are not a squeezed projection")
     view = logits.args[0]
@@ -146,10 +333,17 @@ def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     proj_w, w_nodes = parameter_weight_2d(w_t.args[0])
     if not is_op(flat_keys, *RESHAPES):
         raise NoMatch("keys are not flattened for the projection")
+    keys = flat_keys.args[0]
+    # [..., H] -> [M, H] -> [M, 1] -> [..., 1]: the rows keep their order only when the
+    # flattening keeps the last dim and the view restores exactly the keys' leading dims.
+    if not (isinstance(keys, Node) and val(flat_keys).dim() == 2
+            and val(flat_keys).shape[-1] == val(keys).shape[-1]
+            and tuple(val(view).shape[:-1]) == tuple(val(keys).shape[:-1])):
+        raise NoMatch("the projection's flattening does not keep the keys' rows")
     # Everything between the keys and the logits belongs to the site (a decomposed
     # product adds unsqueezes, casts and a sum around the multiply).
-    nodes += [logits, view, w_t, flat_keys, *w_nodes] + _between({flat_keys, w_t}, view.args[0])
-    return flat_keys.args[0], proj_w, nodes
+    nodes = [logits, view, w_t, flat_keys, *w_nodes] + _between({flat_keys, w_t}, view.args[0])
+    return keys, proj_w, nodes
 
 
 def _between(stops: set[Node], end: Node) -> list[Node]:
@@ -177,11 +371,12 @@ def parameter_weight_2d(node: object) -> tuple[Node, list[Node]]:
     return node, nodes
 
 
-def _key_norm(keys: Node) -> tuple[Node, Node, float | Node, Node, list[Node]]:
-    """RMSNorm of the sources -> (sources, norm weight, eps, x32, nodes).
+def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[Node]]:
+    """RMSNorm of the sources -> (sources, norm weight or None (weight 1), eps, x32, nodes).
 
-    Accepts cast-then-weight keys in the model dtype and keys weighted in fp32 (cast
-    back or not): the kernel computes them in fp32 either way.
+    Accepts cast-then-weight keys in the model dtype, keys weighted in fp32 (cast back or
+    not) and unweighted keys (``F.rms_norm(V, (H,))``): the kernel computes them in fp32
+    either way. Every cast must round to the sources' dtype (or keep fp32).
     """
     nodes = []
     step = keys
@@ -190,9 +385,13 @@ def _key_norm(keys: Node) -> tuple[Node, Node, float | Node, Node, list[Node]]:
         step = step.args[0]
     if not is_op(step, _MUL):
         raise NoMatch("keys are not a weighted norm")
-    nodes.append(step)
-    a, b = step.args
-    for normed_side, w_side in ((a, b), (b, a)):
+    if any(is_op(o, aten.rsqrt.default) for o in step.args):
+        candidates = [(keys, None)]  # x32 * rsqrt(...) (cast back): no weight
+        nodes = []
+    else:
+        nodes.append(step)
+        candidates = [(step.args[0], step.args[1]), (step.args[1], step.args[0])]
+    for normed_side, w_side in candidates:
         inner = normed_side
         cast = None
         if is_op(inner, _CAST):
@@ -204,109 +403,247 @@ def _key_norm(keys: Node) -> tuple[Node, Node, float | Node, Node, list[Node]]:
             continue
         x32, eps, rms_nodes = inverse_rms(rsqrt)
         rms_nodes += same_input(operands(inner, rsqrt), x32)
-        norm_w, w_nodes = parameter_weight(w_side, allow_upcast=True)
+        if w_side is None:
+            norm_w, w_nodes = None, []
+        else:
+            norm_w, w_nodes = parameter_weight(w_side, allow_upcast=True)
         sources, upcast = upcast_input(x32)
+        for c in [cast] + [n for n in nodes if is_op(n, _CAST)]:
+            if c is not None and c.args[1] not in (dtype_of(sources), torch.float32):
+                raise NoMatch(f"keys rounded to {c.args[1]}, the sources are {dtype_of(sources)}")
+        if val(keys).shape != val(sources).shape:
+            raise NoMatch("key norm weight broadcasts beyond the rows")
         nodes += [inner, *rms_nodes, *w_nodes, *upcast] + ([cast] if cast is not None else [])
         return sources, norm_w, eps, x32, nodes
     raise NoMatch("keys are not RMSNorm(sources) * weight")
 
 
-def _mix(div: Node, sources: Node, x32: Node) -> tuple[Node, list[Node]]:
-    """``sum(p[..., None] * sources, -2)`` (cast back if computed in fp32) -> (mixed, nodes)."""
+def _is_source(operand: object, sources: Node, x32: Node) -> list[Node]:
+    """``operand`` is the sources (or their fp32 upcast, or a repeat of either) -> extra
+    nodes; NoMatch otherwise."""
+    try:
+        return same_input(operand, x32)
+    except NoMatch:
+        pass
+    for ref in (sources, x32):
+        if _same_value(operand, ref):
+            return [operand] if operand is not ref else []
+    if is_op(operand, _CAST) and operand.args[1] == torch.float32 \
+            and _same_value(operand.args[0], sources):
+        return [operand, operand.args[0]]
+    raise NoMatch("softmax weights do not scale the sources")
+
+
+def _mix(div: Node, sources: Node, x32: Node, sd: int) -> tuple[Node, list[Node]]:
+    """``sum(p[..., None] * sources, sd)`` or ``einsum('s..., s...h -> ...h', p, V)``
+    (cast back if computed in fp32) -> (mixed, nodes)."""
     nodes = []
     p = only_user(div)
-    if is_op(p, _CAST):
+    for _ in range(2):  # softmax(bf16 logits) rounds to bf16; .float() may follow
+        if not is_op(p, _CAST):
+            break
+        if p.args[1] not in (dtype_of(sources), torch.float32):
+            raise NoMatch(f"softmax weights rounded to {p.args[1]}")
         nodes.append(p)
         p = only_user(p)
-    if not (is_op(p, aten.unsqueeze.default) and _dim_is(p, p.args[1], -1)):
-        raise NoMatch("softmax weights are not unsqueezed for the mix")
-    weighted = only_user(p)
-    if not is_op(weighted, _MUL):
-        raise NoMatch("softmax weights do not scale the sources")
-    try:
-        nodes += same_input(operands(weighted, p), x32)  # sources, or their fp32 upcast
-    except NoMatch:
-        raise NoMatch("softmax weights do not scale the sources") from None
-    total = only_user(weighted)
-    if not (is_op(total, aten.sum.dim_IntList) and len(total.args[1]) == 1
-            and _dim_is(weighted, total.args[1][0], -2)):
-        raise NoMatch("weighted sources are not summed over the source dim")
-    nodes += [p, weighted, total]
+    if is_op(p, aten.unsqueeze.default) and _dim_is(p, p.args[1], -1):
+        weighted = only_user(p)
+        if is_op(weighted, _MUL):
+            total, more = _mul_sum_mix(p, weighted, sources, x32, sd)
+        else:
+            total, more = _contraction_mix(p, sources, x32, sd)
+    else:
+        total, more = _contraction_mix(p, sources, x32, sd)
+    nodes += more
     mixed = total
     if dtype_of(total) != dtype_of(sources):
         mixed = only_user(total)
         if not (is_op(mixed, _CAST) and mixed.args[1] == dtype_of(sources)):
             raise NoMatch(f"mix is not cast back to {dtype_of(sources)}")
         nodes.append(mixed)
+    want = tuple(s for i, s in enumerate(val(sources).shape) if i != sd)
+    if tuple(val(mixed).shape) != want:
+        raise NoMatch("the mix keeps the source dim or broadcasts")
     return mixed, nodes
 
 
-def _older_bank_version(bank: Node, n: int) -> Node:
+def _mul_sum_mix(p: Node, weighted: Node, sources: Node, x32: Node, sd: int):
+    try:
+        nodes = _is_source(operands(weighted, p), sources, x32)
+    except NoMatch:
+        raise NoMatch("softmax weights do not scale the sources") from None
+    if val(weighted).shape != val(sources).shape:
+        raise NoMatch("softmax weights broadcast over the sources")
+    total = only_user(weighted)
+    if not (is_op(total, aten.sum.dim_IntList)
+            and _one_dim(weighted, total.args[1]) == sd):
+        raise NoMatch("weighted sources are not summed over the source dim")
+    if keepdim_of(total) or total.kwargs.get("dtype") is not None:
+        raise NoMatch("the mix's sum keeps the source dim (keepdim=True) or has a dtype")
+    return total, nodes + [p, weighted, total]
+
+
+def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
+    """The mix as an einsum lowers it: views of p and the sources into one bmm/mm whose
+    inner dim is the source dim, viewed back to the sources' layout without it."""
+    chain = [p] if is_op(p, *LAYOUT_OPS) else []
+    n = p
+    while is_op(n, *LAYOUT_OPS):
+        n = only_user(n)
+        if is_op(n, *LAYOUT_OPS):
+            chain.append(n)
+    product = n
+    if not is_op(product, aten.bmm.default, aten.mm.default):
+        raise NoMatch("softmax weights feed neither a weighted sum nor a contraction")
+    total = product
+    while is_op(only_user_or_none(total), *LAYOUT_OPS):
+        total = only_user(total)
+    sides = _operand_layouts(product, stops={sources, x32})
+    div_like = p.args[0] if chain else p
+    r = val(sources).dim()
+    named = {}  # atoms of p's and the sources' dims, in the sources' dim numbering
+    for k, (base, layout, _) in enumerate(sides):
+        if base is div_like or _same_value(base, div_like) or base in (p,):
+            named[k] = "p"
+        else:
+            _is_source(base, sources, x32)
+            named[k] = "v"
+    if sorted(named.values()) != ["p", "v"]:
+        raise NoMatch("the contraction does not read the weights and the sources")
+
+    def canon(group):
+        return tuple(a[1] for a in group)
+
+    (pa, pl, pc), (va, vl, vc) = (sides[0], sides[1]) if named[0] == "p" else (sides[1], sides[0])
+    if not (canon(pl[2]) == (sd,) and canon(vl[2]) == (sd,) and canon(pl[0]) == canon(vl[0])
+            and pl[1] == () and canon(vl[1]) == (r - 1,)
+            and all(a[0] is pa for g in pl for a in g) and all(a[0] is va for g in vl for a in g)):
+        raise NoMatch("the contraction is not over the source dim, row by row")
+    rows, cols = ((pl[1], vl[1]) if named[0] == "p" else (vl[1], pl[1]))
+    layout, out_chain = _result_layout(total, product, vl[0], rows, cols)
+    # batch atoms come from both sides with equal dims: name them by the sources' dims
+    got = [tuple(a[1] for a in g) for g in layout]
+    want = [() if _one(s) else (i,) for i, s in enumerate(val(sources).shape) if i != sd]
+    if got != want or canon(pl[0]) != canon(vl[0]):
+        raise NoMatch("the contraction's result is not the sources' layout without the source dim")
+    extra = [] if va is sources or va is x32 else _is_source(va, sources, x32)
+    return total, chain + pc + vc + [product] + out_chain + extra
+
+
+def only_user_or_none(node: Node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _older_bank_version(bank: Node, n: int, sd: int) -> Node:
     """Skip writes of slots >= n (``select_scatter``): the first n slots are unchanged."""
-    while (is_op(bank, aten.select_scatter.default) and _dim_is(bank, bank.args[2], -2)
-           and bank.args[3] >= n):
+    while (is_op(bank, aten.select_scatter.default) and _norm_dim(bank, bank.args[2]) == sd
+           and isinstance(bank.args[3], int) and bank.args[3] >= n):
         bank = bank.args[0]
     return bank
 
 
-def _source_layout(sources: Node) -> tuple[Node, list[Node] | None, Node | None, int, list[Node]]:
-    """-> (prefix, blocks or None, bank or None, num_blocks, nodes)."""
-    width = val(sources).shape[-1]
-    if is_op(sources, aten.unsqueeze.default) and _dim_is(sources, sources.args[1], -2):
+def _bank_slice(blocks: Node, sd: int, n_want=None) -> Node:
+    """``bank[:n]`` over the source dim (a step or a start is another tensor) -> bank."""
+    dim, start, _, step = slice_args(blocks)
+    if not (_norm_dim(blocks, dim) == sd and start in (0, None) and step == 1):
+        raise NoMatch(f"blocks are bank[{start}::{step}] over dim {dim}, not a leading "
+                      f"slice bank[:n] of the source dim")
+    return blocks.args[0]
+
+
+def _source_layout(sources: Node, sd: int
+                   ) -> tuple[Node, list[Node] | None, Node | None, int, list[Node]]:
+    """Sources stacked / sliced on dim ``sd`` -> (prefix, blocks or None, bank or None,
+    num_blocks, nodes)."""
+    shape = val(sources).shape
+    r = len(shape)
+    width = shape[-1]
+    rest = tuple(s for i, s in enumerate(shape) if i != sd)
+    if is_op(sources, aten.unsqueeze.default) and _norm_dim(sources, sources.args[1]) == sd:
         return sources.args[0], [], None, 0, [sources]  # a single source: the prefix
     if (is_op(sources, *RESHAPES) and not is_op(sources.args[0], aten.cat.default)
-            and val(sources).shape[-2] == 1
-            and val(sources.args[0]).shape == val(sources).shape[:-2] + (width,)):
-        return sources.args[0], [], None, 0, [sources]  # stack([prefix], -2) as a view
+            and _one(shape[sd]) and tuple(val(sources.args[0]).shape) == rest):
+        return sources.args[0], [], None, 0, [sources]  # stack([prefix], sd) as a view
     if is_op(sources, *RESHAPES) and is_op(sources.args[0], aten.cat.default):
-        # stack(items, -2) lowers to cat(items, -1) viewed as [..., S, H]
+        # stack(items, sd) lowers to cat(items, sd) viewed as [..., S, item dim sd, ...]
         cat = sources.args[0]
         items = list(cat.args[0])
-        dim = cat.args[1] if len(cat.args) > 1 else 0
-        if not (_dim_is(items[0], dim, -1) and val(sources).shape[-2] == len(items)
-                and all(val(i).shape == val(items[0]).shape for i in items)
-                and val(items[0]).shape[-1] == width):
-            raise NoMatch("sources are not a stack over dim -2")
+        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        item_shape = tuple(val(items[0]).shape) if items else ()
+        if not (items and len(item_shape) == r - 1 and all(
+                tuple(val(i).shape) == item_shape for i in items)
+                and _norm_dim(items[0], dim) == sd and item_shape == rest
+                and shape[sd] == len(items)):
+            raise NoMatch("sources are not a stack over the source dim")
         return items[-1], items[:-1], None, len(items) - 1, [cat, sources]
-    if is_op(sources, aten.cat.default) and _dim_is(sources, sources.args[1], -2):
+    if is_op(sources, aten.cat.default):
+        dim = sources.args[1] if len(sources.args) > 1 else sources.kwargs.get("dim", 0)
+        if _norm_dim(sources, dim) != sd:
+            raise NoMatch("sources are concatenated over another dim")
         parts = list(sources.args[0])
         if len(parts) != 2:
             raise NoMatch("tensor-bank sources are not [bank slice, prefix]")
         blocks, last = parts
-        if not (is_op(last, aten.unsqueeze.default) and _dim_is(last, last.args[1], -2)):
+        if not (is_op(last, aten.unsqueeze.default) and _norm_dim(last, last.args[1]) == sd):
             raise NoMatch("last source is not the prefix")
-        n = int(val(blocks).shape[-2])
+        n = int(val(blocks).shape[sd])
         if is_op(blocks, aten.slice.Tensor):
-            if not (_dim_is(blocks, blocks.args[1], -2) and blocks.args[2] == 0):
-                raise NoMatch("blocks are not a leading slice of a bank")
-            bank, nodes = blocks.args[0], [sources, blocks, last]
+            bank, nodes = _bank_slice(blocks, sd), [sources, blocks, last]
         else:  # the slice of the whole bank was simplified away
             bank, nodes = blocks, [sources, last]
-        bank = _older_bank_version(bank, n)
-        return last.args[0], None, bank, n, nodes
+        return last.args[0], None, _older_bank_version(bank, n, sd), n, nodes
+    # a preallocated bank holding the prefix in its slot n: bank[n] = prefix; bank[:n + 1]
+    written, nodes = sources, []
+    if is_op(sources, aten.slice.Tensor):
+        written, nodes = _bank_slice(sources, sd), [sources]
+    if is_op(written, aten.select_scatter.default):
+        n = int(shape[sd]) - 1
+        if not (_norm_dim(written, written.args[2]) == sd and written.args[3] in (n, n - int(
+                val(written).shape[sd]))):
+            raise NoMatch("the prefix is not written to the slot after the blocks")
+        prefix = written.args[1]
+        bank = _older_bank_version(written.args[0], n, sd)
+        return prefix, None, bank, n, nodes
     raise NoMatch("sources are neither a stack of blocks and prefix nor a bank slice + prefix")
 
 
 def match_attn_res(div: Node) -> AttnResSite:
     """Describe the AttnRes site whose softmax ends at ``div``, or raise NoMatch."""
-    logits, nodes = _softmax(div)
+    logits, sd, nodes = _softmax(div)
+    logits, shift_nodes = _minus_max(logits, sd)
+    if shift_nodes:  # l - max(l) in the model dtype, then .float(): read through both
+        pass
+    elif is_op(logits, _CAST) and logits.args[1] == torch.float32:
+        raw, shift_nodes = _minus_max(logits.args[0], sd)
+        if shift_nodes:
+            shift_nodes = [logits] + shift_nodes
+            logits = raw
     keys, proj_w, proj_nodes = _projection(logits)
     sources, norm_w, eps, x32, key_nodes = _key_norm(keys)
-    mixed, mix_nodes = _mix(div, sources, x32)
-    prefix, blocks, bank, n, source_nodes = _source_layout(sources)
-    nodes += proj_nodes + key_nodes + mix_nodes + source_nodes
+    r = val(sources).dim()
+    if sd >= r - 1:
+        raise NoMatch("softmax over the hidden dim, not the sources")
+    mixed, mix_nodes = _mix(div, sources, x32, sd)
+    prefix, blocks, bank, n, source_nodes = _source_layout(sources, sd)
+    nodes += shift_nodes + proj_nodes + key_nodes + mix_nodes + source_nodes
 
     width = val(sources).shape[-1]
-    if val(proj_w).shape[-1] != width or val(norm_w).shape[0] != width:
+    if val(proj_w).numel() != width or (norm_w is not None and val(norm_w).shape[0] != width):
         raise NoMatch("weights do not match the hidden width")
-    if val(prefix).shape != val(sources).shape[:-2] + (width,) or dtype_of(prefix) != dtype_of(sources):
+    rest = tuple(s for i, s in enumerate(val(sources).shape) if i != sd)
+    if tuple(val(prefix).shape) != rest or dtype_of(prefix) != dtype_of(sources):
         raise NoMatch("prefix shape or dtype differs from the sources")
+    if bank is not None and (val(bank).dim() != r or dtype_of(bank) != dtype_of(sources)
+                             or tuple(s for i, s in enumerate(val(bank).shape) if i != sd)
+                             != rest):
+        raise NoMatch("bank shape or dtype differs from the sources")
+    nodes = list(dict.fromkeys(nodes))
     leaks = external_users(nodes, mixed)
     if leaks:
         inner, user = leaks[0]
         raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
     return AttnResSite(prefix=prefix, blocks=blocks, bank=bank, num_blocks=n, norm_w=norm_w,
-                       proj_w=proj_w, eps=eps, mixed=mixed, nodes=nodes)
+                       proj_w=proj_w, eps=eps, mixed=mixed, nodes=nodes, src_dim=sd)
 
 
 def _delta_of(prefix: Node) -> tuple[Node, Node] | None:
@@ -390,19 +727,33 @@ def _plan(graph: Graph, site: AttnResSite, by_input: dict[Node, RMSNormMatch],
         elif site.blocks is not None:
             bank = fake_call(aten.unsqueeze.default, (prefix_in, -2))
         else:
-            bank = site.bank
+            bank = fake_call(aten.permute.default, (site.bank, _to_sources_last(site)))
         proj = fake_call(aten.view.default, (site.proj_w, [val(site.proj_w).shape[-1]]))
-        fake_call(torch.ops.k3fusion.attn_res.default, _op_args(plan, bank, proj))
+        norm_w = (site.norm_w if site.norm_w is not None
+                  else fake_call(aten.new_ones.default, (plan.prefix_in, [_width(site)])))
+        fake_call(torch.ops.k3fusion.attn_res.default, _op_args(plan, bank, proj, norm_w))
     except (TypeError, ValueError) as e:
         raise NoMatch(f"the fused op refuses these inputs: {e}") from None
     return plan
 
 
-def _op_args(plan: _Rewrite, bank, proj) -> tuple:
+def _width(site: AttnResSite) -> int:
+    return val(site.prefix).shape[-1]
+
+
+def _to_sources_last(site: AttnResSite) -> list[int]:
+    """The permutation that views a bank ``[..., S at src_dim, ..., H]`` as ``[..., S, H]``
+    (the identity for a sources-last bank): the op reads it in place through its strides."""
+    r = val(site.bank).dim()
+    dims = [d for d in range(r - 1) if d != site.src_dim]
+    return dims + [site.src_dim, r - 1]
+
+
+def _op_args(plan: _Rewrite, bank, proj, norm_w) -> tuple:
     site, norm = plan.site, plan.out_norm
     eps, eps_t = eps_op_args(site.eps)
     out_eps, out_eps_t = eps_op_args(norm.eps) if norm else (1e-6, None)
-    return (plan.prefix_in, bank, site.num_blocks, site.norm_w, proj, eps, plan.delta,
+    return (plan.prefix_in, bank, site.num_blocks, norm_w, proj, eps, plan.delta,
             norm.weight if norm else None, out_eps, norm.weight_in_fp32 if norm else False,
             eps_t, out_eps_t)
 
@@ -410,14 +761,21 @@ def _op_args(plan: _Rewrite, bank, proj) -> tuple:
 def _rewrite(graph: Graph, plan: _Rewrite, stacks: _BlockStacks) -> Node:
     """Insert the op for ``plan`` and erase what it replaces; -> the op's node."""
     site = plan.site
-    needed = [plan.prefix_in, site.norm_w, site.proj_w] + ([plan.delta] if plan.delta else [])
+    needed = [plan.prefix_in, site.proj_w] + ([plan.delta] if plan.delta else [])
+    needed += [site.norm_w] if site.norm_w is not None else []
     needed += site.blocks if site.blocks is not None else [site.bank]
     hoist_before(graph, needed, plan.point)  # raises NoMatch before changing anything
     bank = (stacks.get(site.blocks, plan.prefix_in, plan.point) if site.blocks is not None
             else site.bank)
     with graph.inserting_before(plan.point):
+        if site.blocks is None and _to_sources_last(site) != list(range(val(site.bank).dim())):
+            bank = _call(graph, aten.permute.default, (bank, _to_sources_last(site)))
         proj = _call(graph, aten.view.default, (site.proj_w, [val(site.proj_w).shape[-1]]))
-        node = _call(graph, torch.ops.k3fusion.attn_res.default, _op_args(plan, bank, proj))
+        norm_w = site.norm_w
+        if norm_w is None:  # an unweighted key norm: weight 1
+            norm_w = _call(graph, aten.new_ones.default, (plan.prefix_in, [_width(site)]))
+        node = _call(graph, torch.ops.k3fusion.attn_res.default,
+                     _op_args(plan, bank, proj, norm_w))
         results = []
         for i in range(len(plan.outputs)):
             r = graph.call_function(operator.getitem, (node, i))
@@ -448,6 +806,10 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]
         except NoMatch as e:
             if is_op(div.args[0], aten.exp.default):  # a softmax: say why it is not a site
                 misses.append(f"softmax {div.name}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001  a form the matcher did not foresee: a miss,
+            # never a failed compile (matching only reads the graph)
+            misses.append(f"softmax {div.name}: not understood ({type(e).__name__}: {e})")
             continue
         try:
             plan = _plan(graph, site, by_input, claimed)

@@ -90,11 +90,21 @@ def fused_op(prefix, delta, bank, norm_w, proj_w, out_w):
     return prefix, out
 
 
+#: Memory layout of the bank: "sources-last" ``[T, slots, H]``, or "sources-first"
+#: ``[slots, T, H]`` (MoonshotAI's ``torch.stack(blocks + [partial])`` order) handed to
+#: every variant as the same ``[T, slots, H]`` view (block stride T * H), read in place.
+LAYOUTS = ("sources-last", "sources-first")
+LAYOUT = "sources-last"
+
+
 def _inputs(t: int, device: str = "cuda", hidden: int = HIDDEN):
     dt = torch.bfloat16
     prefix = torch.randn(t, hidden, device=device, dtype=dt)
     delta = torch.randn(t, hidden, device=device, dtype=dt)
-    bank = torch.randn(t, BANK_SLOTS, hidden, device=device, dtype=dt)
+    if LAYOUT == "sources-first":
+        bank = torch.randn(BANK_SLOTS, t, hidden, device=device, dtype=dt).movedim(0, 1)
+    else:
+        bank = torch.randn(t, BANK_SLOTS, hidden, device=device, dtype=dt)
     norm_w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dt)
     proj_w = (torch.randn(1, hidden, device=device) / hidden**0.5).to(dt)
     out_w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dt)
@@ -119,15 +129,19 @@ def assert_near_chain(out: torch.Tensor, chain_out: torch.Tensor, what: str) -> 
     assert mean < 1.6e-2 and worst < 0.125, f"{what}: mean |diff| {mean:.2e}, max {worst:.2e}"
 
 
+def _clone(args) -> list:
+    """Copies that keep each tensor's strides (a sources-first bank stays one)."""
+    return [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a)
+            if a.dim() == 3 else a.clone() for a in args]
+
+
 def check_fused(args) -> None:
     """The fused op on copies of ``args``: against the spec (``k3fusion.reference``) tightly,
     against the eager chain loosely; the new prefix and the bank bit for bit (one fp32
     add, one rounding on every side)."""
     from k3fusion import reference
 
-    eager_args = [a.clone() for a in args]
-    fused_args = [a.clone() for a in args]
-    spec_args = [a.clone() for a in args]
+    eager_args, fused_args, spec_args = (_clone(args) for _ in range(3))
     prefix_e, out_e = attn_res_chain(*eager_args)
     prefix_f, out_f = fused_op(*fused_args)
     prefix, delta, bank, norm_w, proj_w, out_w = spec_args
@@ -160,10 +174,10 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
         shape = pick_launch_shape(t, HIDDEN, NUM_BLOCKS)
         row = {"T": t, "floor_us": hbm_floor_us(_bytes(t)), "input_sets": len(sets),
                "shape": shape_label(shape)}
-        chain_out = attn_res_chain(*[a.clone() for a in sets[0]])[1]
+        chain_out = attn_res_chain(*_clone(sets[0]))[1]
         for name, fn in variants.items():
             if name in compiled:
-                out = fn(*[a.clone() for a in sets[0]])[1]  # compiles; check before timing
+                out = fn(*_clone(sets[0]))[1]  # compiles; check before timing
                 assert_near_chain(out, chain_out, f"{name} vs eager chain")
             row[f"{name}_us"] = cuda_graph_us(fn, sets)
         if "k3fusion" in compiled:
@@ -191,7 +205,7 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
         rows.append(row)
         print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in row.items()), flush=True)
-    return {"bench": "attn_res", "hidden": HIDDEN, "num_blocks": NUM_BLOCKS,
+    return {"bench": "attn_res", "hidden": HIDDEN, "num_blocks": NUM_BLOCKS, "layout": LAYOUT,
             "prefill_tokens": PREFILL_TOKENS, "compiled": compiled, "rows": rows,
             **environment()}
 
@@ -243,13 +257,18 @@ def main(argv=None) -> int:
     p = base_parser("python -m k3fusion.bench.attn_res", TOKENS)
     p.add_argument("--compiled", action="append", default=[], metavar="BACKEND",
                    help="also time torch.compile with this backend")
+    p.add_argument("--layout", choices=LAYOUTS, default="sources-last",
+                   help="bank memory layout (sources-first: [slots, T, H] read through a view)")
     args = p.parse_args(argv)
+    global LAYOUT
+    LAYOUT = args.layout
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     compiled = dict(COMPILED_VARIANTS)
     compiled.update({b: b for b in args.compiled})
     result = run(args.tokens, args.sweep, compiled)
-    write_results(args.out, "attn_res", result, markdown(result), plot)
+    name = "attn_res" if LAYOUT == "sources-last" else "attn_res_sources_first"
+    write_results(args.out, name, result, markdown(result), plot)
     return 0
 
 

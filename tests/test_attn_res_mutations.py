@@ -1,0 +1,185 @@
+"""Mutation test for the AttnRes fusion (issue 15, item 3): build one site in one of its
+accepted spellings, apply a random mutation from a catalogue of structural facts the
+matcher relies on, compile, and check: the compile never raises; the output equals eager
+within the dtype's bound; the site is fused exactly when the mutation keeps the op's
+semantics (``MUTATIONS[name]`` is that expectation).
+
+Graphs come from ``graph_utils.CaptureBackend`` (Inductor's post-grad passes for real, then
+the graph run eagerly); the two Inductor-lowering failures of issue 15 are covered with a
+real compile in ``test_attn_res_misfires.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import k3fusion
+
+try:
+    from .graph_utils import CaptureBackend, count_op, fresh_state  # noqa: F401
+except ImportError:
+    from graph_utils import CaptureBackend, count_op, fresh_state  # noqa: F401
+
+ATTN_RES = torch.ops.k3fusion.attn_res.default
+H = 16
+
+#: mutation -> whether the mutated site still computes AttnRes (so must fuse)
+MUTATIONS = {
+    "none": True,
+    "other_eps": True,              # eps 1e-5: the op takes any eps
+    "minus_max": True,              # logits - max(logits): shift-invariant
+    "slice_step": False,            # bank[::2] is not the leading slots
+    "slice_start": False,           # bank[1:n+1]
+    "softmax_other_dim": False,     # softmax over the tokens
+    "mix_other_dim": False,         # sum over the tokens
+    "keepdim": False,               # the mix keeps the source dim
+    "norm_other_dim": False,        # mean over a leading dim
+    "eps_outside": False,           # 1 / (sqrt(mean) + eps)
+    "layernorm_keys": False,        # mean-centred keys
+    "bias": False,                  # Linear(H, 1) with a bias
+    "temperature": False,           # logits / 2
+    "sink": False,                  # a sink logit concatenated before the softmax
+    "mask": False,                  # logits + mask
+    "gemma": False,                 # (1 + w) key weight
+    "leak_logits": False,           # an intermediate also returned
+    "leak_keys": False,             # the keys also returned
+    "mix_fp32": False,              # the mix left in fp32 (bf16: another output dtype)
+    "keys_fp16": False,             # keys rounded to another dtype
+}
+
+
+#: ATTN_RES_MUTATIONS=a,b narrows the draw (a developer's knob, e.g. to replay a class of
+#: bugs against older code); CI draws from the whole catalogue.
+DRAWN = sorted(os.environ.get("ATTN_RES_MUTATIONS", "").split(",")) if os.environ.get(
+    "ATTN_RES_MUTATIONS") else sorted(MUTATIONS)
+
+
+class Site(nn.Module):
+    def __init__(self, spelling: str, mutation: str, n: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.spelling, self.mutation, self.n = spelling, mutation, n
+        self.w = nn.Parameter(1 + 0.1 * torch.randn(H, generator=g))
+        self.proj = nn.Linear(H, 1, bias=mutation == "bias")
+        with torch.no_grad():
+            self.proj.weight.copy_(2 * torch.randn(1, H, generator=g) / H ** 0.5)
+            if self.proj.bias is not None:
+                self.proj.bias.fill_(0.3)
+
+    def keys(self, V):
+        m = self.mutation
+        x = V.float()
+        eps = 1e-5 if m == "other_eps" else 1e-6
+        if m == "layernorm_keys":
+            x = x - x.mean(-1, keepdim=True)
+        if m == "norm_other_dim":
+            normed = x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + eps)
+        elif m == "eps_outside":
+            normed = x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps)
+        else:
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        w = (1 + self.w) if m == "gemma" else self.w
+        to = torch.float16 if m == "keys_fp16" else V.dtype
+        return w.to(to) * normed.to(to)
+
+    def forward(self, bank, prefix):
+        m, n = self.mutation, self.n
+        first = self.spelling == "sources_first"
+        sd = 0 if first else -2  # source dim of V
+        if first:  # bank [slots, B, T, H]
+            if m == "slice_step":
+                blocks = bank[0:2 * n:2]
+            elif m == "slice_start":
+                blocks = bank[1:n + 1]
+            else:
+                blocks = bank[:n]
+            V = torch.cat([blocks, prefix.unsqueeze(0)], 0)
+        else:  # bank [B, T, slots, H]
+            if m == "slice_step":
+                blocks = bank[..., 0:2 * n:2, :]
+            elif m == "slice_start":
+                blocks = bank[..., 1:n + 1, :]
+            else:
+                blocks = bank[..., :n, :]
+            V = torch.cat([blocks, prefix.unsqueeze(-2)], -2)
+        K = self.keys(V)
+        if first:
+            logits = torch.einsum("d, n b t d -> n b t", self.proj.weight.squeeze().to(K.dtype), K)
+            if self.proj.bias is not None:
+                logits = logits + self.proj.bias.to(K.dtype)
+        else:
+            logits = self.proj(K.to(V.dtype)).squeeze(-1)
+        logits = logits.float()
+        ld = 0 if first else -1  # source dim of the logits
+        if m == "temperature":
+            logits = logits / 2
+        if m == "mask":
+            logits = logits + torch.linspace(-1, 0, logits.shape[-1])
+        if m == "minus_max":
+            logits = logits - logits.max(dim=ld, keepdim=True).values
+        if m == "sink":
+            sink = torch.zeros_like(logits.narrow(ld, 0, 1))
+            p = torch.cat([logits, sink], ld).softmax(ld).narrow(ld, 0, logits.shape[ld])
+        else:
+            other = 1 if first else -2
+            p = logits.softmax(other if m == "softmax_other_dim" else ld)
+        p = p.to(V.dtype)
+        mix_dim = (1 if first else -3) if m == "mix_other_dim" else sd
+        if first:
+            if m in ("mix_other_dim", "keepdim"):
+                out = (p.unsqueeze(-1) * V).sum(mix_dim, keepdim=m == "keepdim")
+            else:
+                out = torch.einsum("n b t, n b t d -> b t d", p, V)
+        else:
+            out = (p.unsqueeze(-1) * V).sum(mix_dim, keepdim=m == "keepdim")
+        if m == "mix_fp32":
+            out = (p.float().unsqueeze(-1) * V.float()).sum(sd)
+        if m == "leak_logits":
+            return out, logits
+        if m == "leak_keys":
+            return out, K
+        return out
+
+
+def _bound(dtype):
+    return dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("spelling", ["sources_last", "sources_first"])
+@settings(max_examples=10, deadline=None)
+@given(mutation=st.sampled_from(DRAWN),
+       n=st.integers(1, 3), tokens=st.integers(1, 4),
+       dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2 ** 16))
+def test_mutated_site(spelling, mutation, n, tokens, dtype, seed):
+    torch._dynamo.reset()
+    k3fusion.reset_match_counts()
+    m = Site(spelling, mutation, n).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    slots = 2 * n + 1
+    bank_shape = (slots, 2, tokens, H) if spelling == "sources_first" else (2, tokens, slots, H)
+    bank = torch.randn(bank_shape, generator=g).to(dtype)
+    prefix = torch.randn(2, tokens, H, generator=g).to(dtype)
+    with torch.no_grad():
+        expected = m(bank, prefix)
+        be = CaptureBackend()
+        out = torch.compile(m, backend=be, dynamic=False, fullgraph=True)(bank, prefix)
+    fused = count_op(be.graph_after, ATTN_RES)
+    outs = out if isinstance(out, tuple) else (out,)
+    exps = expected if isinstance(expected, tuple) else (expected,)
+    # (separate asserts: hypothesis reports a misfire and a miss as two bugs)
+    assert [tuple(a.shape) for a in outs] == [tuple(b.shape) for b in exps], "output shape"
+    for a, b in zip(outs, exps):
+        torch.testing.assert_close(a.float(), b.float(), **_bound(dtype))
+    keeps = MUTATIONS[mutation] or (mutation == "mix_fp32" and dtype == torch.float32)
+    if keeps:  # (an fp32 mix of an fp32 model is no mutation)
+        assert fused == 1, f"miss: {mutation} keeps the op's semantics but was not fused"
+    else:
+        assert fused == 0, f"misfire: {mutation} changes the semantics but was fused"
