@@ -10,7 +10,7 @@ they differ in where the up-projection FLOPs and the collectives go:
     where a registered implementation supports the platform and tp
     (:func:`register_tail_fusion`). Importing this module registers ``"triton"``
     (``k3fusion.kernels.moe_tail``: CUDA, tp = 1, ``0 < T <= MAX_TOKENS`` = 64; selection
-    stops at its measured ``select_max_tokens`` = 16, and at ``fused_tail_max_tokens``).
+    stops at its measured ``select_max_tokens`` = 8, and at ``fused_tail_max_tokens``).
     None is registered for CPU, so there it is never selected and forcing it is an error
     (the kernel itself runs on CPU in Triton's interpreter, called directly, for tests).
 ``ALLREDUCE_OVERLAP``
@@ -610,12 +610,9 @@ def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_d
                   norm_dtype=norm_dtype)
 
 
-#: Largest T at which selection picks the tp = 1 kernel (how it was checked against the
-#: two-launch unfused form: docs/benchmarks.md, "Latent-MoE tail vs cuBLAS (issue 17)").
-#: Measured on the H200 (bf16, L = 3584, H = 7168) it is 1.15-1.2x faster than default
-#: Inductor's norm + cuBLAS addmm up to T = 8 and at parity by T = 16 (cuBLAS's GEMM gets
-#: faster as T grows; the kernel does not).
-TRITON_SELECT_MAX_TOKENS = 16
+#: Largest T at which selection picks the tp = 1 kernel over the two-launch unfused form
+#: (docs/benchmarks.md, "Latent-MoE tail vs cuBLAS (issue 17)", the confirmation run).
+TRITON_SELECT_MAX_TOKENS = 8
 
 register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",),
                                     select_max_tokens=TRITON_SELECT_MAX_TOKENS))

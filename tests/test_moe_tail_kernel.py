@@ -482,17 +482,17 @@ def test_supports_on_a_cuda_device_object():
     assert "'cpu'" in impl.supports(4, 7168, 1, torch.device("cpu"))
 
     assert moe_tail.select_tier(1, 7168, 1, cuda) is Tier.TAIL_FUSION
-    # selection stops at the kernel's measured select_max_tokens (16), below its limit
+    # selection stops at the kernel's measured select_max_tokens (8), below its limit
     # and below config.fused_tail_max_tokens; forcing the tier runs it up to its limit.
     # The boundary is checked on both sides of the constant (docs/benchmarks.md, "Latent-MoE
     # tail vs cuBLAS (issue 17)", says how the probe's --quick run would move it).
     most = moe_tail.TRITON_SELECT_MAX_TOKENS
-    assert impl.select_max_tokens == most == 16
+    assert impl.select_max_tokens == most == 8
     assert moe_tail.select_tier(most, 7168, 1, cuda) is Tier.TAIL_FUSION
     assert moe_tail.select_tier(most + 1, 7168, 1, cuda) is Tier.REPLICATED
-    lowered = FusionConfig(fused_tail_max_tokens=8)
-    assert moe_tail.select_tier(9, 7168, 1, cuda, lowered) is Tier.REPLICATED
-    assert moe_tail.select_tier(8, 7168, 1, cuda, lowered) is Tier.TAIL_FUSION
+    lowered = FusionConfig(fused_tail_max_tokens=4)
+    assert moe_tail.select_tier(5, 7168, 1, cuda, lowered) is Tier.REPLICATED
+    assert moe_tail.select_tier(4, 7168, 1, cuda, lowered) is Tier.TAIL_FUSION
     assert moe_tail.select_tier(17, 7168, 1, cuda, force="tail_fusion") is Tier.TAIL_FUSION
     assert moe_tail.select_tier(0, 7168, 1, cuda) is Tier.REPLICATED  # no fused tail, no overlap at T = 0
     assert moe_tail.select_tier(4, 7168, 2, cuda) is Tier.COLUMN_PARALLEL
