@@ -25,4 +25,4 @@ model = KimiK3ForCausalLM(config, seed=0).eval()
 ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
 
 with torch.no_grad():
-    print(explain(model, ids))
+    explain(model, ids)  # prints the report (and returns it)
