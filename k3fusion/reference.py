@@ -1,8 +1,9 @@
 """Reference semantics in plain torch: the spec every fused path is tested against.
 
 These functions are deliberately written the obvious way; ``docs/ops.md`` states the same
-contracts in words (roundings, in-place effects, tiers). The CPU implementations of the custom ops call them, and the tests compare
-the Triton kernels, the custom ops and compiled graphs with them.
+contracts in words (roundings, in-place effects, tiers). The CPU implementations of the
+custom ops call them, and the tests compare the Triton kernels, the custom ops and
+compiled graphs with them.
 """
 
 from __future__ import annotations
