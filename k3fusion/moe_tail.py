@@ -52,7 +52,7 @@ partial and reduced sums. Rules, in order (``config`` is :class:`k3fusion.Fusion
    ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
 
 The defaults come from measurements (``docs/benchmarks.md``): the overlap threshold is 0
-because column-parallel was faster at every T at tp = 2 on two H200s, and each fused-tail
+because column-parallel was faster at every T at tp = 2, and each fused-tail
 implementation stops at its own crossover (``select_max_tokens``).
 
 Collectives are ``torch.distributed._functional_collectives`` (``_c10d_functional.
@@ -340,8 +340,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 def _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype):
     """The unfused tiers' ``rms_norm(all_reduce(routed))``. On CUDA the norm is
     ``k3fusion::rms_norm``: one Triton launch, where the reference's eager sequence is
-    about eight kernels (on the H200 it made the tail at T = 17-64 take ~41 us against
-    default Inductor's ~20); it agrees with the reference within the fp32 sum's order.
+    about eight kernels (twice default Inductor's time for the tail at T = 17-64;
+    docs/experiments.md, "kernels/rms_norm.py"); it agrees with the reference within the fp32 sum's order.
     Under torch.compile (Inductor fuses the norm itself) and on CPU: the reference's ops,
     bit for bit."""
     x = reference.all_reduce(routed, group)

@@ -4,9 +4,8 @@
 
 At decode sizes the partials are a few hundred KB per rank, small enough that a one-shot
 all-reduce (every rank reads every peer's buffer over NVLink) beats NCCL's per-call
-latency: measured at tp = 2 on two H200s (``k3fusion.bench.moe_tail_tp``,
-docs/benchmarks.md) it took 28-32 us at T <= 16 against 63-72 us for the overlap tier and
-53-66 us for column-parallel, and stayed ahead up to its 64 rows. Here both partials are summed by one Triton one-shot launch over
+latency: at tp = 2 it stayed ahead of both NCCL tiers up to its 64 rows
+(``k3fusion.bench.moe_tail_tp``, docs/benchmarks.md). Here both partials are summed by one Triton one-shot launch over
 ``torch.distributed._symmetric_memory`` (``k3fusion.kernels.moe_tail_symm``: every rank
 copies its partials into its own symmetric buffer, meets every peer at a signal-pad
 barrier, reads every peer's buffer over NVLink and sums in fp32 in rank order, so all
@@ -73,10 +72,8 @@ IMPL_NAME = "symm_mem"
 #: Selection additionally stops at ``FusionConfig.fused_tail_max_tokens`` (64).
 MAX_TOKENS = 64
 
-#: Largest T at which selection picks it: measured at tp = 2 on two H200s
-#: (``k3fusion.bench.moe_tail_tp``, docs/benchmarks.md) it beats the fastest NCCL tier at
-#: every T up to its buffer's 64 rows (28.0 against 53.4 us at T = 1, 60.0 against 72.4
-#: at 64).
+#: Largest T at which selection picks it: it beat the fastest NCCL tier at every T up to
+#: its buffer's 64 rows (docs/benchmarks.md, "Latent-MoE tail tiers across GPUs (`torchrun -m k3fusion.bench.moe_tail_tp`)").
 SELECT_MAX_TOKENS = 64
 
 #: Signal-pad size assumed when torch does not report it (its smallest default).

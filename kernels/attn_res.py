@@ -69,11 +69,7 @@ would wait forever: there the split kernel runs as separate launches per ``PHASE
 fresh buffer, no epochs) -- the same arithmetic, which a GPU test compares bit for bit
 with the one-launch form.
 
-What the exchange costs, measured on the H200 (docs/benchmarks.md): the earlier form --
-per-thread GPU fence, CTA barrier, an acq_rel arrival atomic, an acquire poll of a
-counter, then reading the partials back -- took ~1.2 us per exchange and only ever tied
-the row kernel; with epoch-tagged words the split kernel takes 6.0-6.3 us at T = 1
-against the row kernel's 6.8-6.9, and wins up to 12 tokens.
+What the exchange costs: docs/experiments.md, "kernels/attn_res.py".
 
 ``num_blocks == 0`` is a fast path in both: one source, softmax weight exactly 1,
 ``mixed = p``; no logit is computed (a row whose sum of squares overflows stays exact).
@@ -106,11 +102,7 @@ __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SP
            "EARLY_TILE_MAX_TOKENS", "LAUNCH_TABLE", "TILE_MAX_PER_THREAD", "table_shape",
            "parse_shape"]
 
-#: From this many tokens on, the row kernel uses its prefill shape. Measured on the H200
-#: (bf16, H = 7168, 9 sources; docs/benchmarks.md): the decode shape 4x16 (unpipelined)
-#: best up to T = 128 (8.94 us at 32, 11.70 against 12.38 at 128), the pipelined prefill
-#: shape 1x8 from T = 256 (17.42 us against 20.09; 30.78 against 35.81 at 512, 206.6
-#: against 241.5 at 4096).
+#: From this many tokens on, the row kernel uses its prefill shape (docs/benchmarks.md, "AttnRes step (`attn_res`)"; docs/experiments.md, "kernels/attn_res.py").
 PREFILL_TOKENS = 256
 #: Sources per tile of the row kernel's decode shape.
 DECODE_SOURCES_PER_TILE = 4
@@ -119,27 +111,21 @@ PREFILL_SOURCES_PER_TILE = 1
 #: ... software-pipelined three deep (two rows in flight while one is reduced).
 PREFILL_LOOP_STAGES = 3
 #: Most shared memory the automatic choice lets the pipelined source loop take (its
-#: ``LOOP_STAGES - 1`` buffers of a source tile); wider rows run unpipelined (the H200 has
+#: ``LOOP_STAGES - 1`` buffers of a source tile); wider rows run unpipelined (sm_90 allows
 #: 227 KiB per block; H = 7168 bf16 takes 32 KiB).
 LOOP_SMEM_BYTES = 160 * 1024
 #: Up to this many tokens the row kernel's decode shape loads its first source tile
 #: before the prefix (``EARLY_TILE``: the two HBM round trips overlap instead of following
-#: each other). Measured on the H200 (bf16, H = 7168, 9 sources, two interleaved runs;
-#: docs/benchmarks.md): 7.09 -> 6.81 us at T = 1, 8.96 -> 8.17 at 16, 9.00 -> 8.23 at 32,
-#: 9.87 -> 9.37 at 64, 10.7 -> 10.6 at 96, but 11.4 -> 11.7 at 128.
+#: each other) (docs/benchmarks.md, "AttnRes step (`attn_res`)"; docs/experiments.md, "kernels/attn_res.py").
 EARLY_TILE_MAX_TOKENS = 64
 #: Up to this many tokens the rule runs the split kernel (``split_max_tokens`` overrides;
 #: 0: never); :data:`LAUNCH_TABLE`'s first token edge.
-#: Measured on the H200 (bf16, H = 7168, 9 sources, two runs of medians of 5;
-#: docs/benchmarks.md): 6.04-6.26 us at T = 1 against the row kernel's 6.77-6.88,
-#: 6.48-6.60 against 6.82-6.97 at 2, 6.53-6.73 against 6.83-6.99 at 4, 6.68-6.79 against
-#: 7.05-7.30 at 8, 6.97-7.11 against 7.29-7.42 at 12; the row kernel ahead from 16
-#: (7.74-7.85 against 7.96-8.08).
+#: (docs/benchmarks.md, "AttnRes step (`attn_res`)"; docs/experiments.md, "kernels/attn_res.py")
 SPLIT_MAX_TOKENS = 12
 #: Columns per program of the split kernel (7 programs per 7168-wide token) ...
 SPLIT_CHUNK = 1024
-#: ... and warps: 1024 x 4 was the fastest at every T but 2 in the same runs (512 x 4:
-#: 7.02-7.22 us at T = 1, 6.11-6.16 or 7.12-7.23 at 2; 2048 x 8: 7.05-7.16 at 1).
+#: ... and warps: 1024 x 4 was the fastest at every T but 2 in the same runs
+#: (docs/experiments.md, "kernels/attn_res.py").
 SPLIT_NUM_WARPS = 4
 #: Most programs one split launch may have (forced launches included): a token's programs
 #: must be resident together while they poll for each other's words; in-order dispatch
@@ -249,7 +235,7 @@ else:
     def _sum_pair(a, b, axis: tl.constexpr):
         """``sum(a)`` and ``sum(b)`` along ``axis`` in one reduction: one pass through
         shared memory and one barrier instead of two (same tree as ``tl.sum``, same bits;
-        H200: 207.5 -> 204.6 us at T = 4096, 11.52 -> 11.04 at 128 in the row kernel)."""
+        measured: docs/experiments.md, "kernels/attn_res.py")."""
         return tl.reduce((a, b), axis, _add_pairs)
 
 
@@ -339,8 +325,7 @@ def _attn_res_kernel(
         for s0 in tl.range(first, num_blocks, SOURCES_PER_TILE, num_stages=LOOP_STAGES):
             s = s0 + srcs
             # Read once per call: let these lines go first, ahead of the rows this call
-            # writes (H200, with the one-reduction step: 11.04 -> 10.62 us at T = 128, the
-            # same elsewhere).
+            # writes (docs/experiments.md, "kernels/attn_res.py").
             x = _source_rows(blocks_row, s, num_blocks, blocks_block_stride, cols, cmask,
                              "evict_first").to(tl.float32)
             m, den, acc = _online_step(m, den, acc, x, s, num_blocks, g, H, eps)

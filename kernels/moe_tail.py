@@ -23,8 +23,8 @@ one K range of ``L``:
    to ``up_w``'s dtype -- the GEMM input the reference feeds cuBLAS -- then
    ``acc += A @ up_w[cols, k].T`` with an fp32 accumulator (constexpr ``SWAP_AB``: the
    same product as ``acc.T += up_w[cols, k] @ A.T``, the weight tile as the dot's M side,
-   which Hopper's wgmma reads straight from shared memory -- 2-3% faster on the H200 at
-   T <= 16, the default there where the stages fit). T is padded to ``BLOCK_M``
+   which Hopper's wgmma reads straight from shared memory -- faster at T <= 16, the
+   default there where the stages fit). T is padded to ``BLOCK_M``
    (a power of two, >= 16 for ``tl.dot``'s smallest M; the GEMV form below needs no
    more than T) by masks; padded rows get an inverse RMS of 0 so they stay 0 even with
    ``eps = 0``.
@@ -42,7 +42,7 @@ is needed. Counters come from ``_launch.counter_buffer`` (per device and stream,
 first allocated inside a CUDA-graph capture).
 
 **Scale after** (constexpr ``SCALE_AFTER``, launch option ``scale_after``; opt-in -- measured
-slower on the H200 at every T, with or without split-K, docs/benchmarks.md): ``1/rms`` is a per-row factor, so it can scale the fp32 accumulator
+slower at every T, with or without split-K, docs/experiments.md, "kernels/moe_tail.py"): ``1/rms`` is a per-row factor, so it can scale the fp32 accumulator
 instead of the GEMM input. The prologue disappears -- the main loop sums the squares of
 the token tiles it loads anyway -- and with split-K each split's partial sums of squares
 travel with its partial tile, so split-K can fill every SM (H = 7168: 112 column tiles x
@@ -57,10 +57,8 @@ here T is padded to a power of two only (1 stays 1), each step adds ``up_w_tile 
 into an fp32 accumulator reduced once after the loop -- ``[BLOCK_N, BLOCK_K]`` with the
 one token row broadcast, ``[BLOCK_N, BLOCK_M, BLOCK_K]`` for more -- and the weight tiles
 stream through a software-pipelined plain loop. Same GEMM inputs (``h`` rounded as the
-spec says), exact products, fp32 sums in another order. Measured on the H200
-(docs/benchmarks.md): 15.4 us at T = 1 against the dot's 17.7; from two tokens on slower
-(25.4 against 17.9 at T = 2, 30.3 against 17.9 at 4: the FMAs grow with T, the dot's
-cost does not).
+spec says), exact products, fp32 sums in another order. Faster than the dot at T = 1
+only: the FMAs grow with T, the dot's cost does not (docs/experiments.md).
 
 Triton's CPU interpreter (``TRITON_INTERPRET=1``; tests) computes a 16-bit ``tl.dot``
 wrongly, so constexpr ``DOT_IN_FP32`` makes the dot an fp32 one of the already-rounded
@@ -216,7 +214,7 @@ def _moe_tail_kernel(
     if GEMV:
         # Summed over K once, after the loop: no reduction per step. One token: a 2-D
         # accumulator the token row broadcasts into (the 3-D form's expand_dims of the
-        # weight tile costs a layout conversion per step: 17.2 against 15.4 us at T = 1).
+        # weight tile costs a layout conversion per step; docs/experiments.md).
         if BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
@@ -350,7 +348,7 @@ class LaunchConfig:
     split_k: int
     norm_block_k: int
     #: Scale the accumulator by 1/rms instead of the GEMM input (no norm prologue; the
-    #: GEMM input is round(x * w)); opt-in: measured slower on the H200.
+    #: GEMM input is round(x * w)); opt-in: measured slower (docs/experiments.md).
     scale_after: bool = False
     #: Compute ``out.T = up_w_tile @ h.T``: the weight tile is the dot's M side.
     swap_ab: bool = False
@@ -371,7 +369,7 @@ class LaunchConfig:
 
 _num_sms_cache: dict[int, int] = {}
 
-#: SMs assumed where there is no GPU to ask (the interpreter): an H200's.
+#: SMs assumed where there is no GPU to ask (the interpreter): a full Hopper's.
 _DEFAULT_SMS = 132
 
 
@@ -390,9 +388,8 @@ def _block_m(tokens: int, gemv: bool = False) -> int:
     return max(1 if gemv else 16, triton.next_power_of_2(max(tokens, 1)))
 
 
-#: Up to this many tokens the automatic choice takes the GEMV form (16-bit weights).
-#: Measured on the H200 (bf16, L = 3584, H = 7168; docs/benchmarks.md): 15.4 us at T = 1
-#: against the tensor-core dot's 17.7; slower from T = 2 on.
+#: Up to this many tokens the automatic choice takes the GEMV form (16-bit weights)
+#: (docs/benchmarks.md, "Latent-MoE tail on one GPU (`latent_moe_tail`)"; docs/experiments.md, "kernels/moe_tail.py").
 GEMV_MAX_TOKENS = 1
 #: The GEMV form's accumulator elements per program (``BLOCK_N * BLOCK_M * BLOCK_K``): 64
 #: fp32 registers per thread at 4 warps -- kept where ``block_k`` can still shrink (>= 16).
@@ -412,16 +409,13 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
 
     GEMV form (T <= :data:`GEMV_MAX_TOKENS`, 16-bit weights): 32-column tiles, ``block_k``
     256 at T = 1 (halved per doubling of T, down to 16: an 8K-element accumulator up to
-    T = 16), 4 warps, 3 stages -- the fastest of eleven shapes at T = 1 on the H200
-    (15.40 us; 16-column tiles 15.52, 64 x 128 at 8 warps 16.13), and no shape of a
-    51-shape sweep was clearly faster.
+    T = 16), 4 warps, 3 stages -- the fastest of eleven shapes at T = 1.
 
-    Dot form, measured (H200, bf16, L = 3584, H = 7168; ``--sweep``, docs/benchmarks.md):
-    64-column tiles (112 programs) without split-K, ``block_k`` 256, 4 warps, 4 stages were
-    fastest at T = 1, 8 and 16 (18.3-19.1 us against 23.7-24.2 for 32-column tiles);
-    ``norm_block_k`` 512 there (8K prologue elements: 64 fp32 accumulators per thread at 4
-    warps). 16-bit weights take the ``swap_ab`` operand order (2-3% faster; scale-after and split-K forms
-    were slower at every T, 20.5-28 us). Wider tiles mean fewer programs, each re-reading the token rows in its prologue
+    Dot form (``--sweep``): 64-column tiles (112 programs) without split-K, ``block_k`` 256,
+    4 warps, 4 stages were fastest at T = 1, 8 and 16; ``norm_block_k`` 512 there (8K
+    prologue elements: 64 fp32 accumulators per thread at 4 warps). 16-bit weights take
+    the ``swap_ab`` operand order (scale-after and split-K forms were slower at every T).
+    The numbers: docs/experiments.md, "kernels/moe_tail.py". Wider tiles mean fewer programs, each re-reading the token rows in its prologue
     once for more weight columns, and more weight bytes in flight per program. Below 64
     tiles (small ``H``) split-K fills the SMs. fp32 weights: ``block_k`` 64 (their dot
     runs on FMA units, not tensor cores), 3 stages.
@@ -442,8 +436,7 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     split_k = 1
     if tiles < 64:
         split_k = max(1, min(8, cdiv(num_sms, tiles), cdiv(latent, block_k)))
-    # swap_ab: the weight tile as the dot's M side -- 17.90 / 18.51 us against 18.37 /
-    # 18.88 at T = 1 / 16 (H200, same shape otherwise; docs/benchmarks.md). Measured at
+    # swap_ab: the weight tile as the dot's M side (docs/experiments.md). Measured at
     # BLOCK_M = 16 only (T <= 16), and only for tiles whose pipeline fits (_resolve_config).
     if gemv:
         return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3,
@@ -455,7 +448,7 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
 
 
 #: Most bytes of weight-tile pipeline stages for which the automatic choice swaps the dot's
-#: operands (the H200 has 227 KiB of shared memory per block; the rest is for the token
+#: operands (sm_90 allows 227 KiB of shared memory per block; the rest is for the token
 #: tiles and the epilogue).
 SWAP_AB_SMEM_BYTES = 160 * 1024
 

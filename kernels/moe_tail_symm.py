@@ -178,7 +178,7 @@ def _one_shot_pair_kernel(
     #    the second CTA barrier, makes their copied tiles visible to every thread here.
     if GPU_FENCE:
         # Every thread fences its own copy-in at system scope first (peers read it over
-        # NVLink): the split AttnRes barrier read stale partials on the H200 with only a
+        # NVLink): the split AttnRes barrier read stale partials on the GPU with only a
         # CTA barrier and one release atomic (kernels/attn_res.py); not risked here.
         fence_system()
     tl.debug_barrier()

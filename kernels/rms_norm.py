@@ -2,9 +2,8 @@
 
 The latent-MoE tail's unfused tiers (T above the fused tail) normalize the all-reduced
 latent with this launch instead of the reference's eager op sequence: that sequence is
-about eight kernels (cast, square, mean, add, rsqrt, scale, cast, weight), and at T = 64
-its mean alone took 8.6 us on the H200, against ~4.8 us for default Inductor's whole
-fused norm of the same rows (docs/benchmarks.md).
+about eight kernels (cast, square, mean, add, rsqrt, scale, cast, weight), slower than
+default Inductor's one fused norm (docs/experiments.md, "kernels/rms_norm.py").
 
 Formulation, matching ``k3fusion.reference.rms_norm``: fp32 sum of squares, rsqrt and
 products; cast-then-weight rounds the normalized row to ``ROUND_DTYPE`` (the input's
