@@ -1,87 +1,18 @@
 """Block Attention Residuals (AttnRes) in one Triton launch: the prefix update, the block
 write, the depth-softmax over the sources and the output RMSNorm.
 
-Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Per token:
+Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Two kernels,
+the four feature switches (``HAS_DELTA``, ``WRITE_BLOCK``, ``HAS_OUT_NORM``,
+``OUT_WEIGHT_IN_FP32``) constexpr in both: the **split** kernel for a few tokens
+(``cdiv(H, CHUNK)`` programs per token exchange partial sums as epoch-tagged words: no
+fence, no barrier) and the **row** kernel for more (one program per token, an online
+softmax over the sources). Which one, and its tile, by (T, H, completed blocks, dtype)
+from the measured :data:`LAUNCH_TABLE`, else the rule in :func:`pick_launch_shape`.
+``num_blocks`` and ``block_write_idx`` are runtime arguments (a new block count never
+recompiles); offsets are int64.
 
-1. ``HAS_DELTA``: ``p = (prefix + delta).to(prefix.dtype)`` (fp32 add, one rounding),
-   stored to ``prefix_out`` -- the prefix itself for the in-place op, a new buffer for
-   the functional one. The *rounded* value is the last source, as in the spec.
-2. ``WRITE_BLOCK``: the same rounded row is stored to ``blocks[t, block_write_idx]``.
-3. A softmax over the sources ``blocks[t, :num_blocks]`` and ``p``, keyed by
-   ``logit = rsqrt(sum(v*v)/H + eps) * sum(v * g)`` with ``g = norm_w * proj_w`` (fp32),
-   ``mixed = (sum_s softmax_s * v_s).to(prefix.dtype)``. (The spec's
-   ``(v * norm_w) * proj_w`` differs from ``v * g`` by an fp32 rounding per term, part
-   of the fp32 evaluation-order drift the tests allow for.)
-4. ``HAS_OUT_NORM``: RMSNorm of the mix in either formulation of
-   ``k3fusion.reference.rms_norm`` (cast-then-weight rounds the normalized row to the
-   prefix dtype before the weight multiply; ``OUT_WEIGHT_IN_FP32`` does not).
-
-Two kernels (the four feature switches are constexpr in both, so dead code compiles out):
-the split kernel for a few tokens, the row kernel for more -- which one, and its tile, by
-(T, H, completed blocks, dtype) from the measured :data:`LAUNCH_TABLE`, else the rule in
-:func:`pick_launch_shape`:
-
-* **split** (T <= :data:`SPLIT_MAX_TOKENS`): ``cdiv(H, CHUNK)`` programs per token, each
-  holding its ``CHUNK`` columns of *every* source in registers at once (a ``[S_PAD,
-  CHUNK]`` tile), so a token's bytes are in flight on many SMs at the same time instead
-  of one source after the other on one SM. The logits need whole-row sums: each program
-  publishes its partial ``sum(v*g)`` and ``sum(v*v)`` per source, collects every
-  program's of its token, forms the softmax weights and mixes its own chunk. The output
-  norm needs the sum of squares of the whole *rounded* mix (the spec): a second exchange.
-  (Taking it from the Gram matrix of the sources instead -- one exchange -- squares the
-  unrounded mix, which differs from the spec by the rounding's bias: ~1% under the
-  interpreter's truncating casts.)
-  With one chunk covering the row (``chunk >= H``: one program per token) there is
-  nothing to exchange: that form keeps only the arithmetic -- every source, the prefix
-  and the delta loaded at once, one reduction for all logits, a plain softmax -- in one
-  launch everywhere (the interpreter included).
-* **row** (more tokens): one program per token and an online (streaming) softmax over
-  sources, each source row read once: the prefix (already in registers) seeds the
-  running max ``m``, denominator ``den`` and mix ``acc[H]``; blocks are streamed
-  ``SOURCES_PER_TILE`` rows at a time::
-
-       m' = max(m, logit); acc = acc * exp(m - m') + exp(logit - m') * v
-       den = den * exp(m - m') + exp(logit - m'); m = m'
-
-  Many tokens fill the GPU, so no cross-program exchange is needed.
-
-The split kernel's exchange carries its own validity, so it needs no fence and no
-barrier. Every partial sum travels as one 64-bit word ``epoch << 32 | fp32 bits``,
-published with a relaxed GPU-scope atomic exchange (morally strong and single-copy
-atomic: a reader sees the old word or the whole new one); readers poll each word with
-relaxed (``ld.volatile``) loads, every thread its own words, until it carries this
-launch's epoch, then use its low half directly -- no separate read of the partials, and
-nothing else is communicated, so no ordering is needed. The epoch: each token's words
-start with a launch counter to which the token's programs add ``SYNC_EPOCH`` in all
-(chunk 0 ``SYNC_EPOCH - (n - 1)``, the others 1), so every program of one launch reads
-an old value in ``[k * SYNC_EPOCH, (k + 1) * SYNC_EPOCH)`` and takes ``k + 1`` (mod
-2**32). Why a poll never accepts a stale word: the launcher keeps one buffer per record
-layout (chunks x source rows; counters and records together, so both are always
-replaced together), and every launch writes *every* word of its tokens' records (zeros
-where a sum is not needed) -- so before this launch's store a word holds exactly the
-previous launch's epoch, or 0 in a fresh buffer, never this one's. Nothing is reset, so
-CUDA-graph replays in any order are fine (``_launch.counter_buffer``). Requirements: all
-programs of a token must be resident together (a token's programs are adjacent in the
-grid and blocks are dispatched in order, so earlier tokens always finish; split launches
-are small anyway), and two launches must not use one buffer concurrently (one per device
-and stream). Under Triton's CPU interpreter programs run one after another, so a poll
-would wait forever: there the split kernel runs as separate launches per ``PHASE`` (a
-fresh buffer, no epochs) -- the same arithmetic, which a GPU test compares bit for bit
-with the one-launch form.
-
-What the exchange costs: docs/experiments.md, "kernels/attn_res.py".
-
-``num_blocks == 0`` is a fast path in both: one source, softmax weight exactly 1,
-``mixed = p``; no logit is computed (a row whose sum of squares overflows stays exact).
-
-``num_blocks`` and ``block_write_idx`` are *runtime* arguments, explicitly not
-specialized (``do_not_specialize``): the count of completed blocks grows layer by layer
-(0, 1, ..., 8 for Kimi-K3) and a new value must never cost a recompile. The split
-kernel's source tile ``S_PAD`` is the source count rounded up to a power of two: Kimi-K3's
-nine counts share four compiled variants (2, 4, 8, 16 rows), all built in the first
-step. Offsets are int64: ``T * token_stride``
-and ``block * block_stride`` overflow int32 at long prefill sizes (a bank stacked along
-dim 0 has a block stride of ``T * H``).
+The per-token steps, both kernels' designs (the split kernel's epoch exchange protocol
+and what it requires), the interpreter's form: docs/architecture.md, "Module design notes", "kernels/attn_res.py".
 """
 
 from __future__ import annotations

@@ -11,14 +11,7 @@ dtype, or the graph's ``norm_dtype``) before the weight multiply, weight-in-fp32
 once at the end. The fp32 sum runs in another order than torch's ``mean``: the result
 agrees with the reference to within that rounding, not bit for bit.
 
-``copy=(src, dst)`` adds programs that copy a ``[T, M]`` array in the same launch: the
-tail's tp = 1 unfused tiers get the buffer cuBLAS beta-adds the GEMM into without a copy
-or add kernel of their own (``k3fusion::rms_norm_and_copy``).
-
-The row count is not specialized on (``do_not_specialize``): one compiled kernel serves
-every T of a dtype and width, so a CUDA-graph capture at a new T needs no compile (the
-first call of a dtype and width still must come before any capture, as for every Triton
-kernel: a compile inside a capture invalidates it).
+``copy=(src, dst)`` and the unspecialized row count: docs/architecture.md, "Module design notes", "kernels/rms_norm.py".
 """
 
 from __future__ import annotations
