@@ -154,8 +154,8 @@ def _add_pairs(a_0, a_1, b_0, b_1):
 
 
 if interpreter_enabled():
-    # Triton's interpreter runs a tuple reduction's combine function in Python, ~13x
-    # slower than tl.sum's numpy path (the CPU test suite felt it): two sums there, the
+    # Triton's interpreter runs a tuple reduction's combine function in Python, far
+    # slower than tl.sum's numpy path (docs/experiments.md): two sums there, the
     # same math. The GPU form below is compiled for sm_90 by the CPU tests and run by the
     # GPU tests.
     @triton.jit
