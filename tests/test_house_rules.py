@@ -4,6 +4,9 @@
   explanations live in ``docs/architecture.md``.
 * No timing figure in library code (times, bandwidths, speedups, "on the H200"):
   measurements live in ``docs/benchmarks.md`` / ``docs/experiments.md``.
+* No import circle among the project's modules (``k3fusion``, ``k3fusion.kernels``,
+  ``k3fusion.patterns``, bench included), from their module-level imports; imports inside
+  functions are not followed.
 
 Library code: ``k3fusion/**/*.py`` except ``k3fusion/bench/`` (the benchmarks print and
 document timings), ``patterns/*.py`` and ``kernels/*.py``. Static: files are read, never
@@ -135,3 +138,103 @@ def test_no_timing_figures_in_library_code():
             found[_rel(p)] = hits
     assert not found, ("timing figures in library code (move them to docs/experiments.md "
                        f"or docs/benchmarks.md, keep a link): {found}")
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted name -> file for every module of the package (``kernels/`` and ``patterns/``
+    as ``k3fusion.kernels`` / ``k3fusion.patterns``, whether or not the symlinks exist)."""
+    def name(parts, filename):
+        return ".".join(list(parts) + ([] if filename == "__init__.py" else [filename[:-3]]))
+    mods: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(ROOT / "k3fusion"):
+        rel = Path(dirpath).relative_to(ROOT)
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"
+                       and not (rel == Path("k3fusion") and d in ("kernels", "patterns"))]
+        for f in filenames:
+            if f.endswith(".py"):
+                mods[name(rel.parts, f)] = Path(dirpath) / f
+    for package in ("kernels", "patterns"):
+        for f in (ROOT / package).glob("*.py"):
+            mods[name(("k3fusion", package), f.name)] = f
+    return mods
+
+
+def _module_level_imports(stmts):
+    """Import statements that run when the module is imported: not inside a function, not
+    under ``if TYPE_CHECKING:``."""
+    for s in stmts:
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(s, (ast.Import, ast.ImportFrom)):
+            yield s
+        elif isinstance(s, ast.If) and "TYPE_CHECKING" in ast.unparse(s.test):
+            yield from _module_level_imports(s.orelse)
+        else:
+            for field in ("body", "orelse", "finalbody"):
+                yield from _module_level_imports(getattr(s, field, None) or [])
+            for handler in getattr(s, "handlers", None) or []:
+                yield from _module_level_imports(handler.body)
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules its module-level imports name. ``from p import n``
+    points at ``p.n`` when that is a module, else at ``p``; the parent packages an import
+    runs on the way are not edges (a submodule importing a sibling is no circle)."""
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        edges: set[str] = set()
+        for s in _module_level_imports(ast.parse(path.read_text()).body):
+            if isinstance(s, ast.Import):
+                edges |= {a.name for a in s.names}
+                continue
+            target = s.module or ""
+            if s.level:
+                parts = package.split(".")
+                base = parts[:len(parts) - (s.level - 1)]
+                target = ".".join(base + ([s.module] if s.module else []))
+            for a in s.names:
+                edges.add(f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target)
+        graph[mod] = {e for e in edges if e in mods and e != mod}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (``[a, b, ..., a]``), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(u):
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph.get(u, ())):
+            if state.get(v) == 1:
+                return stack[stack.index(v):] + [v]
+            if not state.get(v) and (cycle := visit(v)):
+                return cycle
+        stack.pop()
+        state[u] = 2
+        return None
+
+    for u in sorted(graph):
+        if not state.get(u) and (cycle := visit(u)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_import_graph_resolves_relative_and_absolute_imports():
+    mods = project_modules()
+    graph = import_graph(mods)
+    assert "k3fusion.kernels._launch" in graph["k3fusion.kernels.attn_res"]  # from ._launch
+    # from .. import reference; from ._args import ...
+    assert {"k3fusion.reference", "k3fusion.ops._args"} <= graph["k3fusion.ops.attn_res"]
+
+
+def test_no_import_circles():
+    cycle = find_cycle(import_graph(project_modules()))
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
