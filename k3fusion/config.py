@@ -52,9 +52,8 @@ class FusionConfig:
     #: ALLREDUCE_OVERLAP tier (shared-expert all-reduce on a side stream, replicated
     #: up-projection) for 0 < tokens <= this (0 never selects it); above it COLUMN_PARALLEL (tp > 1) or the
     #: replicated form (tp = 1). As vLLM's ``VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD``.
-    #: 0 by default: measured at tp = 2 on two H200s (docs/benchmarks.md), column-parallel
-    #: was faster at every T from 1 to 16384 (53.4 against 63.5 us at T = 1, 129.2 against
-    #: 135.5 at 256).
+    #: 0 by default: column-parallel was faster at every T at tp = 2
+    #: (docs/benchmarks.md, "Latent-MoE tail tiers across GPUs (`torchrun -m k3fusion.bench.moe_tail_tp`)").
     shared_experts_stream_token_threshold: int = 0
     #: Never select ALLREDUCE_OVERLAP (as vLLM's ``VLLM_DISABLE_SHARED_EXPERTS_STREAM``).
     disable_shared_experts_stream: bool = False

@@ -7,21 +7,8 @@ graph pass sees ordinary ops and owns the fusion there (one source of truth per 
 * :func:`patch_model` -- switch every attention module with ``q_a_layernorm`` /
   ``kv_a_layernorm`` children of the standard RMSNorm kind to the fused pair.
 
-How a patched module fuses without touching its ``forward``: DeepSeek-style MLA code
-consumes the q norm before it even computes the kv projection::
-
-    q  = q_b_proj(q_a_layernorm(q_a_proj(h)))
-    kv = kv_a_proj_with_mqa(h); kv_c, k_pe = kv.split(...); kv_a_layernorm(kv_c) ...
-
-so ``q_a_proj`` is wrapped to compute both projections of ``h`` and both norms in one
-launch, and the three later calls take their results from that step -- each result at
-most once, and only when the call's input is the tensor the step read (the same base
-tensor, held weakly, the same view, and the same version counter: no in-place write since)
-and the module's parameters are unchanged. Anything else falls through to the original
-module, so results never change. The fused paths step aside (the original modules run)
-while autograd records (grad mode on and an input or parameter requires grad), under
-autocast, and in ``torch.inference_mode()`` (its tensors keep no version counter, so a
-later in-place write could not be seen): see ``docs/eager.md``.
+How a patched module fuses without touching its ``forward``, and when the fused paths
+step aside: docs/architecture.md, "Module design notes", "k3fusion/eager.py".
 """
 
 from __future__ import annotations

@@ -1,68 +1,17 @@
 """The latent-MoE tail, tiered: ``all_reduce(shared) + rms_norm(all_reduce(routed)) @ up_w.T``.
 
-The op contract is ``k3fusion.reference.latent_moe_tail`` (``docs/ops.md``):
-``routed_latent [..., L]`` and ``shared [..., H]`` are per-rank partial sums over the
-tensor-parallel group, ``up_w [H, L]`` is replicated. Every tier computes that function;
-they differ in where the up-projection FLOPs and the collectives go:
+The op contract is ``k3fusion.reference.latent_moe_tail`` (``docs/ops.md``): ``routed_latent``
+and ``shared`` are per-rank partial sums over the tensor-parallel group, ``up_w`` is
+replicated. Every tier (:class:`Tier`) computes that function; they differ in where the
+up-projection FLOPs and the collectives go: ``TAIL_FUSION`` (small T: one fused kernel,
+where a registered implementation supports the platform and tp), ``ALLREDUCE_OVERLAP``
+(shared-expert all-reduce concurrent with the replicated up-projection),
+``COLUMN_PARALLEL`` (each rank up-projects its ``H/tp`` columns; one all-reduce) and
+``REPLICATED`` (the plain baseline). :func:`select_tier` looks only at T and static facts,
+so every rank of a group picks the same tier without communicating.
 
-``TAIL_FUSION``
-    Small T: one fused kernel (norm prologue, skinny up-projection, shared add). Only
-    where a registered implementation supports the platform and tp
-    (:func:`register_tail_fusion`). Importing this module registers ``"triton"``
-    (``k3fusion.kernels.moe_tail``: CUDA, tp = 1, ``0 < T <= MAX_TOKENS`` = 64; selection
-    stops at its measured ``select_max_tokens`` = 8, and at ``fused_tail_max_tokens``).
-    None is registered for CPU, so there it is never selected and forcing it is an error
-    (the kernel itself runs on CPU in Triton's interpreter, called directly, for tests).
-``ALLREDUCE_OVERLAP``
-    The shared-expert all-reduce runs concurrently with the replicated up-projection:
-    on CUDA on a side stream ordered by events (no host sync, CUDA-graph safe); on CPU
-    (gloo) it is issued asynchronously before the routed path and waited for after the
-    GEMM -- the same math, in the same order of operations as the reference.
-``COLUMN_PARALLEL``
-    Each rank up-projects only its ``H/tp`` output columns straight into its own shared
-    partial (``addmm_`` beta-add), and the one final all-reduce both sums the ranks and
-    stitches the shards: ``1/tp`` of the up-projection FLOPs and one all-reduce of
-    ``[T, H]`` instead of two. Needs ``H % tp == 0``.
-``REPLICATED``
-    The plain baseline (what a model writes): both all-reduces, norm, full GEMM, add.
-    The fallback when nothing better is available.
-
-The unfused tiers (all but ``TAIL_FUSION``) normalize the latent, on a CUDA device at run
-time, in one Triton launch (``kernels/rms_norm.py``) instead of the reference's eager op
-sequence; so there they agree with the reference within the norm's fp32 summation order,
-not bit for bit. At tp = 1 on CUDA that launch also copies ``shared`` and cuBLAS adds the
-GEMM into the copy (or into a donated ``shared``) in its epilogue: two launches, and the
-add rounds once. On CPU, and when traced, they are the reference's ops.
-
-Selection (:func:`select_tier`) looks only at the token count T and static facts
-(hidden size, tp, device type, config), so every rank of a group picks the same tier
-without communicating -- a tier that differed between ranks would deadlock or mix
-partial and reduced sums. Rules, in order (``config`` is :class:`k3fusion.FusionConfig`):
-
-1. a forced tier (the ``tier`` argument, else ``config.moe_tail_tier``) is used if it is
-   available and raises :class:`TierUnavailableError` otherwise;
-2. ``config.moe_tail`` off -> ``REPLICATED``;
-3. ``0 < T <= fused_tail_max_tokens`` and ``TAIL_FUSION`` available, with an
-   implementation whose ``select_max_tokens`` admits T -> ``TAIL_FUSION``;
-4. ``0 < T <= shared_experts_stream_token_threshold`` and not
-   ``disable_shared_experts_stream`` -> ``ALLREDUCE_OVERLAP`` (a threshold of 0 never
-   selects it, as ``fused_tail_max_tokens = 0`` never selects the fused tail; an empty
-   call has nothing to overlap);
-5. tp = 1: ``REPLICATED`` (nothing to split, no all-reduce: the plain form); tp > 1:
-   ``COLUMN_PARALLEL`` if ``H % tp == 0``, else ``REPLICATED``.
-
-The defaults come from measurements (``docs/benchmarks.md``): the overlap threshold is 0
-because column-parallel was faster at every T at tp = 2 on two H200s, and each fused-tail
-implementation stops at its own crossover (``select_max_tokens``).
-
-Collectives are ``torch.distributed._functional_collectives`` (``_c10d_functional.
-all_reduce`` + ``wait_tensor`` in a trace), so every tier also traces under
-torch.compile. Under torch.compile an automatically selected tail is emitted in its plain
-(``REPLICATED``) form, which the graph pass owns; a forced tier is traced as is.
-
-Which tier ran: :func:`tier_counts` (per tier, since :func:`reset_tier_counts`; eager
-calls only), and a log line per call on ``logging.getLogger("k3fusion")`` (DEBUG, or INFO
-with ``K3FUSION_DEBUG=1``).
+The tiers, the selection rules and their defaults, tracing, :func:`tier_counts`:
+docs/architecture.md, "Module design notes", "k3fusion/moe_tail.py".
 """
 
 from __future__ import annotations
@@ -340,8 +289,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 def _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype):
     """The unfused tiers' ``rms_norm(all_reduce(routed))``. On CUDA the norm is
     ``k3fusion::rms_norm``: one Triton launch, where the reference's eager sequence is
-    about eight kernels (on the H200 it made the tail at T = 17-64 take ~41 us against
-    default Inductor's ~20); it agrees with the reference within the fp32 sum's order.
+    about eight kernels (twice default Inductor's time for the tail at T = 17-64;
+    docs/experiments.md, "kernels/rms_norm.py"); it agrees with the reference within the fp32 sum's order.
     Under torch.compile (Inductor fuses the norm itself) and on CPU: the reference's ops,
     bit for bit."""
     x = reference.all_reduce(routed, group)

@@ -4,9 +4,8 @@
 
 At decode sizes the partials are a few hundred KB per rank, small enough that a one-shot
 all-reduce (every rank reads every peer's buffer over NVLink) beats NCCL's per-call
-latency: measured at tp = 2 on two H200s (``k3fusion.bench.moe_tail_tp``,
-docs/benchmarks.md) it took 28-32 us at T <= 16 against 63-72 us for the overlap tier and
-53-66 us for column-parallel, and stayed ahead up to its 64 rows. Here both partials are summed by one Triton one-shot launch over
+latency: at tp = 2 it stayed ahead of both NCCL tiers up to its 64 rows
+(``k3fusion.bench.moe_tail_tp``, docs/benchmarks.md). Here both partials are summed by one Triton one-shot launch over
 ``torch.distributed._symmetric_memory`` (``k3fusion.kernels.moe_tail_symm``: every rank
 copies its partials into its own symmetric buffer, meets every peer at a signal-pad
 barrier, reads every peer's buffer over NVLink and sums in fp32 in rank order, so all
@@ -15,33 +14,8 @@ single-GPU fused tail (``k3fusion.kernels.moe_tail``: norm prologue, skinny up-p
 shared add; the reference torch math where that kernel is absent) finishes the tail.
 Two launches, no host synchronization, CUDA-graph safe.
 
-Opt-in. :func:`enable_symm_mem_tail` registers the implementation ``"symm_mem"`` with
-:func:`k3fusion.moe_tail.register_tail_fusion`; importing this module changes nothing.
-Once enabled, tier selection picks ``TAIL_FUSION`` for a call when ``0 < T <=
-fused_tail_max_tokens`` and :func:`supports` accepts it: a CUDA device, tp > 1,
-``T <= MAX_TOKENS`` and symmetric memory in this torch build. The registry only tells it
-(T, H, tp, device), not the group, so whether the *group* can use symmetric memory is
-checked on the first call with it (:func:`group_unavailable_reason`: a NCCL group, and a
-successful rendezvous); a group that cannot raises :class:`SymmMemUnavailableError` then.
-:func:`unavailable_reason` is the whole check, group included, for callers that have it.
-
-Workspace: one persistent symmetric buffer per (group, device), ``symm_mem.empty`` +
-``rendezvous`` (collective: every rank of the group must get there together), sized for
-:data:`MAX_TOKENS` rows of the first call's widths (and grown, collectively, if a later
-call needs more). Allocation cannot happen inside a CUDA-graph capture: call
-:func:`prepare_symm_mem_tail` on every rank before capturing (or run the model once
-eagerly: the first call allocates). A call that needs a workspace during a capture raises
-a RuntimeError saying so. A grown-out workspace is kept alive, since a captured graph may
-still hold its addresses. The barrier flags live in the allocation's signal pads, which
-torch gives each symmetric allocation; where ``symm_mem.empty``'s memory pool puts other
-symmetric tensors in the same allocation, their users share the pads and must not run
-their own barriers concurrently with this tail on another stream (on one stream every
-launch leaves the pads zero, so uses interleave safely).
-
-Ordering: all calls on one (group, device) must be ordered on each rank (one stream, or
-captured graphs replayed in order) and matched across ranks (same T, widths, dtypes), as
-for any collective. Eager and CUDA-graph use only: under ``torch.compile`` the graph pass
-owns the tail (``k3fusion.moe_tail`` emits the plain form while tracing).
+Opt-in (:func:`enable_symm_mem_tail`); its selection, workspace and ordering rules:
+docs/architecture.md, "Module design notes", "k3fusion/moe_tail_symm.py".
 """
 
 from __future__ import annotations
@@ -73,10 +47,8 @@ IMPL_NAME = "symm_mem"
 #: Selection additionally stops at ``FusionConfig.fused_tail_max_tokens`` (64).
 MAX_TOKENS = 64
 
-#: Largest T at which selection picks it: measured at tp = 2 on two H200s
-#: (``k3fusion.bench.moe_tail_tp``, docs/benchmarks.md) it beats the fastest NCCL tier at
-#: every T up to its buffer's 64 rows (28.0 against 53.4 us at T = 1, 60.0 against 72.4
-#: at 64).
+#: Largest T at which selection picks it: it beat the fastest NCCL tier at every T up to
+#: its buffer's 64 rows (docs/benchmarks.md, "Latent-MoE tail tiers across GPUs (`torchrun -m k3fusion.bench.moe_tail_tp`)").
 SELECT_MAX_TOKENS = 64
 
 #: Signal-pad size assumed when torch does not report it (its smallest default).

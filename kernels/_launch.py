@@ -6,6 +6,7 @@ import functools
 import os
 
 import torch
+import triton
 import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "check_launchable", "counter_buffer",
@@ -48,12 +49,21 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _interpret_flag() -> bool:
+    """Triton's own interpreter flag, the one ``triton.jit`` reads when it decorates."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return interpreter_enabled()  # Triton without knobs reads the variable itself
+
+
+#: Whether this package's kernels were decorated for the interpreter: they are decorated in
+#: the same package import as this module (no kernel import here: that was an import circle).
+_INTERPRETED_AT_IMPORT = _interpret_flag()
+
+
 def _kernels_are_interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from .dual_rms_norm import _dual_rms_norm_kernel
-
-    return isinstance(_dual_rms_norm_kernel, InterpretedFunction)
+    return _INTERPRETED_AT_IMPORT
 
 
 def check_launchable(*tensors: torch.Tensor) -> None:

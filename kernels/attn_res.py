@@ -1,91 +1,18 @@
 """Block Attention Residuals (AttnRes) in one Triton launch: the prefix update, the block
 write, the depth-softmax over the sources and the output RMSNorm.
 
-Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Per token:
+Semantics are ``k3fusion.reference.attn_res`` (the spec), computed in fp32. Two kernels,
+the four feature switches (``HAS_DELTA``, ``WRITE_BLOCK``, ``HAS_OUT_NORM``,
+``OUT_WEIGHT_IN_FP32``) constexpr in both: the **split** kernel for a few tokens
+(``cdiv(H, CHUNK)`` programs per token exchange partial sums as epoch-tagged words: no
+fence, no barrier) and the **row** kernel for more (one program per token, an online
+softmax over the sources). Which one, and its tile, by (T, H, completed blocks, dtype)
+from the measured :data:`LAUNCH_TABLE`, else the rule in :func:`pick_launch_shape`.
+``num_blocks`` and ``block_write_idx`` are runtime arguments (a new block count never
+recompiles); offsets are int64.
 
-1. ``HAS_DELTA``: ``p = (prefix + delta).to(prefix.dtype)`` (fp32 add, one rounding),
-   stored to ``prefix_out`` -- the prefix itself for the in-place op, a new buffer for
-   the functional one. The *rounded* value is the last source, as in the spec.
-2. ``WRITE_BLOCK``: the same rounded row is stored to ``blocks[t, block_write_idx]``.
-3. A softmax over the sources ``blocks[t, :num_blocks]`` and ``p``, keyed by
-   ``logit = rsqrt(sum(v*v)/H + eps) * sum(v * g)`` with ``g = norm_w * proj_w`` (fp32),
-   ``mixed = (sum_s softmax_s * v_s).to(prefix.dtype)``. (The spec's
-   ``(v * norm_w) * proj_w`` differs from ``v * g`` by an fp32 rounding per term, part
-   of the fp32 evaluation-order drift the tests allow for.)
-4. ``HAS_OUT_NORM``: RMSNorm of the mix in either formulation of
-   ``k3fusion.reference.rms_norm`` (cast-then-weight rounds the normalized row to the
-   prefix dtype before the weight multiply; ``OUT_WEIGHT_IN_FP32`` does not).
-
-Two kernels (the four feature switches are constexpr in both, so dead code compiles out):
-the split kernel for a few tokens, the row kernel for more -- which one, and its tile, by
-(T, H, completed blocks, dtype) from the measured :data:`LAUNCH_TABLE`, else the rule in
-:func:`pick_launch_shape`:
-
-* **split** (T <= :data:`SPLIT_MAX_TOKENS`): ``cdiv(H, CHUNK)`` programs per token, each
-  holding its ``CHUNK`` columns of *every* source in registers at once (a ``[S_PAD,
-  CHUNK]`` tile), so a token's bytes are in flight on many SMs at the same time instead
-  of one source after the other on one SM. The logits need whole-row sums: each program
-  publishes its partial ``sum(v*g)`` and ``sum(v*v)`` per source, collects every
-  program's of its token, forms the softmax weights and mixes its own chunk. The output
-  norm needs the sum of squares of the whole *rounded* mix (the spec): a second exchange.
-  (Taking it from the Gram matrix of the sources instead -- one exchange -- squares the
-  unrounded mix, which differs from the spec by the rounding's bias: ~1% under the
-  interpreter's truncating casts.)
-  With one chunk covering the row (``chunk >= H``: one program per token) there is
-  nothing to exchange: that form keeps only the arithmetic -- every source, the prefix
-  and the delta loaded at once, one reduction for all logits, a plain softmax -- in one
-  launch everywhere (the interpreter included).
-* **row** (more tokens): one program per token and an online (streaming) softmax over
-  sources, each source row read once: the prefix (already in registers) seeds the
-  running max ``m``, denominator ``den`` and mix ``acc[H]``; blocks are streamed
-  ``SOURCES_PER_TILE`` rows at a time::
-
-       m' = max(m, logit); acc = acc * exp(m - m') + exp(logit - m') * v
-       den = den * exp(m - m') + exp(logit - m'); m = m'
-
-  Many tokens fill the GPU, so no cross-program exchange is needed.
-
-The split kernel's exchange carries its own validity, so it needs no fence and no
-barrier. Every partial sum travels as one 64-bit word ``epoch << 32 | fp32 bits``,
-published with a relaxed GPU-scope atomic exchange (morally strong and single-copy
-atomic: a reader sees the old word or the whole new one); readers poll each word with
-relaxed (``ld.volatile``) loads, every thread its own words, until it carries this
-launch's epoch, then use its low half directly -- no separate read of the partials, and
-nothing else is communicated, so no ordering is needed. The epoch: each token's words
-start with a launch counter to which the token's programs add ``SYNC_EPOCH`` in all
-(chunk 0 ``SYNC_EPOCH - (n - 1)``, the others 1), so every program of one launch reads
-an old value in ``[k * SYNC_EPOCH, (k + 1) * SYNC_EPOCH)`` and takes ``k + 1`` (mod
-2**32). Why a poll never accepts a stale word: the launcher keeps one buffer per record
-layout (chunks x source rows; counters and records together, so both are always
-replaced together), and every launch writes *every* word of its tokens' records (zeros
-where a sum is not needed) -- so before this launch's store a word holds exactly the
-previous launch's epoch, or 0 in a fresh buffer, never this one's. Nothing is reset, so
-CUDA-graph replays in any order are fine (``_launch.counter_buffer``). Requirements: all
-programs of a token must be resident together (a token's programs are adjacent in the
-grid and blocks are dispatched in order, so earlier tokens always finish; split launches
-are small anyway), and two launches must not use one buffer concurrently (one per device
-and stream). Under Triton's CPU interpreter programs run one after another, so a poll
-would wait forever: there the split kernel runs as separate launches per ``PHASE`` (a
-fresh buffer, no epochs) -- the same arithmetic, which a GPU test compares bit for bit
-with the one-launch form.
-
-What the exchange costs, measured on the H200 (docs/benchmarks.md): the earlier form --
-per-thread GPU fence, CTA barrier, an acq_rel arrival atomic, an acquire poll of a
-counter, then reading the partials back -- took ~1.2 us per exchange and only ever tied
-the row kernel; with epoch-tagged words the split kernel takes 6.0-6.3 us at T = 1
-against the row kernel's 6.8-6.9, and wins up to 12 tokens.
-
-``num_blocks == 0`` is a fast path in both: one source, softmax weight exactly 1,
-``mixed = p``; no logit is computed (a row whose sum of squares overflows stays exact).
-
-``num_blocks`` and ``block_write_idx`` are *runtime* arguments, explicitly not
-specialized (``do_not_specialize``): the count of completed blocks grows layer by layer
-(0, 1, ..., 8 for Kimi-K3) and a new value must never cost a recompile. The split
-kernel's source tile ``S_PAD`` is the source count rounded up to a power of two: Kimi-K3's
-nine counts share four compiled variants (2, 4, 8, 16 rows), all built in the first
-step. Offsets are int64: ``T * token_stride``
-and ``block * block_stride`` overflow int32 at long prefill sizes (a bank stacked along
-dim 0 has a block stride of ``T * H``).
+The per-token steps, both kernels' designs (the split kernel's epoch exchange protocol
+and what it requires), the interpreter's form: docs/architecture.md, "Module design notes", "kernels/attn_res.py".
 """
 
 from __future__ import annotations
@@ -106,11 +33,7 @@ __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SP
            "EARLY_TILE_MAX_TOKENS", "LAUNCH_TABLE", "TILE_MAX_PER_THREAD", "table_shape",
            "parse_shape"]
 
-#: From this many tokens on, the row kernel uses its prefill shape. Measured on the H200
-#: (bf16, H = 7168, 9 sources; docs/benchmarks.md): the decode shape 4x16 (unpipelined)
-#: best up to T = 128 (8.94 us at 32, 11.70 against 12.38 at 128), the pipelined prefill
-#: shape 1x8 from T = 256 (17.42 us against 20.09; 30.78 against 35.81 at 512, 206.6
-#: against 241.5 at 4096).
+#: From this many tokens on, the row kernel uses its prefill shape (docs/benchmarks.md, "AttnRes step (`attn_res`)"; docs/experiments.md, "kernels/attn_res.py").
 PREFILL_TOKENS = 256
 #: Sources per tile of the row kernel's decode shape.
 DECODE_SOURCES_PER_TILE = 4
@@ -119,27 +42,21 @@ PREFILL_SOURCES_PER_TILE = 1
 #: ... software-pipelined three deep (two rows in flight while one is reduced).
 PREFILL_LOOP_STAGES = 3
 #: Most shared memory the automatic choice lets the pipelined source loop take (its
-#: ``LOOP_STAGES - 1`` buffers of a source tile); wider rows run unpipelined (the H200 has
+#: ``LOOP_STAGES - 1`` buffers of a source tile); wider rows run unpipelined (sm_90 allows
 #: 227 KiB per block; H = 7168 bf16 takes 32 KiB).
 LOOP_SMEM_BYTES = 160 * 1024
 #: Up to this many tokens the row kernel's decode shape loads its first source tile
 #: before the prefix (``EARLY_TILE``: the two HBM round trips overlap instead of following
-#: each other). Measured on the H200 (bf16, H = 7168, 9 sources, two interleaved runs;
-#: docs/benchmarks.md): 7.09 -> 6.81 us at T = 1, 8.96 -> 8.17 at 16, 9.00 -> 8.23 at 32,
-#: 9.87 -> 9.37 at 64, 10.7 -> 10.6 at 96, but 11.4 -> 11.7 at 128.
+#: each other) (docs/benchmarks.md, "AttnRes step (`attn_res`)"; docs/experiments.md, "kernels/attn_res.py").
 EARLY_TILE_MAX_TOKENS = 64
 #: Up to this many tokens the rule runs the split kernel (``split_max_tokens`` overrides;
 #: 0: never); :data:`LAUNCH_TABLE`'s first token edge.
-#: Measured on the H200 (bf16, H = 7168, 9 sources, two runs of medians of 5;
-#: docs/benchmarks.md): 6.04-6.26 us at T = 1 against the row kernel's 6.77-6.88,
-#: 6.48-6.60 against 6.82-6.97 at 2, 6.53-6.73 against 6.83-6.99 at 4, 6.68-6.79 against
-#: 7.05-7.30 at 8, 6.97-7.11 against 7.29-7.42 at 12; the row kernel ahead from 16
-#: (7.74-7.85 against 7.96-8.08).
+#: (docs/benchmarks.md, "AttnRes step (`attn_res`)"; docs/experiments.md, "kernels/attn_res.py")
 SPLIT_MAX_TOKENS = 12
 #: Columns per program of the split kernel (7 programs per 7168-wide token) ...
 SPLIT_CHUNK = 1024
-#: ... and warps: 1024 x 4 was the fastest at every T but 2 in the same runs (512 x 4:
-#: 7.02-7.22 us at T = 1, 6.11-6.16 or 7.12-7.23 at 2; 2048 x 8: 7.05-7.16 at 1).
+#: ... and warps: 1024 x 4 was the fastest at every T but 2 in the same runs
+#: (docs/experiments.md, "kernels/attn_res.py").
 SPLIT_NUM_WARPS = 4
 #: Most programs one split launch may have (forced launches included): a token's programs
 #: must be resident together while they poll for each other's words; in-order dispatch
@@ -237,8 +154,8 @@ def _add_pairs(a_0, a_1, b_0, b_1):
 
 
 if interpreter_enabled():
-    # Triton's interpreter runs a tuple reduction's combine function in Python, ~13x
-    # slower than tl.sum's numpy path (the CPU test suite felt it): two sums there, the
+    # Triton's interpreter runs a tuple reduction's combine function in Python, far
+    # slower than tl.sum's numpy path (docs/experiments.md): two sums there, the
     # same math. The GPU form below is compiled for sm_90 by the CPU tests and run by the
     # GPU tests.
     @triton.jit
@@ -249,7 +166,7 @@ else:
     def _sum_pair(a, b, axis: tl.constexpr):
         """``sum(a)`` and ``sum(b)`` along ``axis`` in one reduction: one pass through
         shared memory and one barrier instead of two (same tree as ``tl.sum``, same bits;
-        H200: 207.5 -> 204.6 us at T = 4096, 11.52 -> 11.04 at 128 in the row kernel)."""
+        measured: docs/experiments.md, "kernels/attn_res.py")."""
         return tl.reduce((a, b), axis, _add_pairs)
 
 
@@ -339,8 +256,7 @@ def _attn_res_kernel(
         for s0 in tl.range(first, num_blocks, SOURCES_PER_TILE, num_stages=LOOP_STAGES):
             s = s0 + srcs
             # Read once per call: let these lines go first, ahead of the rows this call
-            # writes (H200, with the one-reduction step: 11.04 -> 10.62 us at T = 128, the
-            # same elsewhere).
+            # writes (docs/experiments.md, "kernels/attn_res.py").
             x = _source_rows(blocks_row, s, num_blocks, blocks_block_stride, cols, cmask,
                              "evict_first").to(tl.float32)
             m, den, acc = _online_step(m, den, acc, x, s, num_blocks, g, H, eps)

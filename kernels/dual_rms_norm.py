@@ -71,7 +71,7 @@ def pick_launch_shape(n_rows: int, block1: int, block2: int, rows_per_program: i
     One row of the wider norm per program, and as many rows of the narrower one as
     make a tile of the same size; ``rows_per_program`` scales both (tests, tuning).
     About 8 elements per thread keeps loads 16 bytes wide without spilling.
-    Measured on an H200 (docs/benchmarks.md).
+    Measured: docs/benchmarks.md, "MLA q/kv RMSNorm pair (`qkv_rmsnorm`)".
     """
     rows_big = rows_per_program or 1
     wide, narrow = max(block1, block2), min(block1, block2)

@@ -6,87 +6,14 @@ For decode-sized T (Kimi-K3: L = 3584, H = 7168, bf16) the op is bound by readin
 ``up_w`` (51 MB) once; the token rows are tiny and stay in L2. Default Inductor runs a
 norm kernel, then a cuBLAS ``addmm``; this kernel does both in one pass over ``up_w``.
 
-Grid: ``(cdiv(H, BLOCK_N), SPLIT_K)``. Each program owns ``BLOCK_N`` output columns and
-one K range of ``L``:
+Grid: ``(cdiv(H, BLOCK_N), SPLIT_K)``: a norm prologue over the token rows, a main loop
+streaming ``up_w`` tiles against the normalized, rounded token tile, and an epilogue
+adding ``shared`` in fp32 (one rounding). Constexpr forms of the same kernel: ``SPLIT_K``,
+``SCALE_AFTER``, ``SWAP_AB``, ``GEMV``, ``INV_RMS_IN`` / ``PDL`` (prologue launch), row
+tiles (``M_FIRST``), ``DOT_IN_FP32`` (the interpreter); :func:`pick_launch_config`
+picks the default :class:`LaunchConfig`.
 
-1. **Norm prologue**: the inverse RMS of every token row over the *full* ``L`` (a
-   ``[BLOCK_M, NORM_BLOCK_K]`` fp32 sum of squares, reduced once). Every program
-   recomputes it: ``T * L`` elements from L2, cheaper than a second launch or a grid-wide
-   barrier. It runs before any weight tile is requested, so it is pure latency: its
-   loop is software-pipelined (``tl.range(num_stages=4)``: three tiles in flight through
-   shared memory -- ``cp.async`` in the sm_90 code; a plain ``range`` loop waits one L2
-   round trip per step) and ``NORM_BLOCK_K`` is wider than ``BLOCK_K`` (steps of ~8K
-   elements).
-2. **Main loop** over its K range in ``BLOCK_K`` steps: the normalized A tile is formed
-   from the routed rows exactly as ``k3fusion.reference.rms_norm`` rounds it
-   (constexpr ``WEIGHT_IN_FP32``, same forms as ``kernels/dual_rms_norm.py``) and rounded
-   to ``up_w``'s dtype -- the GEMM input the reference feeds cuBLAS -- then
-   ``acc += A @ up_w[cols, k].T`` with an fp32 accumulator (constexpr ``SWAP_AB``: the
-   same product as ``acc.T += up_w[cols, k] @ A.T``, the weight tile as the dot's M side,
-   which Hopper's wgmma reads straight from shared memory -- 2-3% faster on the H200 at
-   T <= 16, the default there where the stages fit). T is padded to ``BLOCK_M``
-   (a power of two, >= 16 for ``tl.dot``'s smallest M; the GEMV form below needs no
-   more than T) by masks; padded rows get an inverse RMS of 0 so they stay 0 even with
-   ``eps = 0``.
-3. **Epilogue**: ``acc + shared`` in fp32, stored once in the output dtype: one rounding
-   where the reference rounds the GEMM output and then the sum (the tests bound the
-   difference).
-
-**Split-K** (constexpr ``SPLIT_K > 1``): more programs than column tiles, for when
-``cdiv(H, BLOCK_N)`` alone cannot keep every SM streaming. Each program stores its fp32
-partial tile in a workspace ``[SPLIT_K, T, H]`` and arrives at its column tile's counter;
-the *last* to arrive sums the ``SPLIT_K`` partials in split order (deterministic, whatever
-the arrival order), adds ``shared``, stores, and resets the counter to 0 for the next
-launch (CUDA-graph replays included). No program ever waits, so no residency assumption
-is needed. Counters come from ``_launch.counter_buffer`` (per device and stream, never
-first allocated inside a CUDA-graph capture).
-
-**Scale after** (constexpr ``SCALE_AFTER``, launch option ``scale_after``; opt-in -- measured
-slower on the H200 at every T, with or without split-K, docs/benchmarks.md): ``1/rms`` is a per-row factor, so it can scale the fp32 accumulator
-instead of the GEMM input. The prologue disappears -- the main loop sums the squares of
-the token tiles it loads anyway -- and with split-K each split's partial sums of squares
-travel with its partial tile, so split-K can fill every SM (H = 7168: 112 column tiles x
-7 splits). The price: the GEMM input is ``round(x * w)`` where the spec rounds
-``round(x * r) * w`` (cast-then-weight) or ``x * r * w`` -- a 16-bit rounding of each GEMM
-input element apart; the tests bound exactly that. The default keeps the spec's roundings.
-
-**GEMV** (constexpr ``GEMV``, launch option ``gemv``; the default for one token, 16-bit
-weights): the product as fp32 FMAs on the CUDA cores instead of a tensor-core dot. A dot
-needs at least 16 token rows and its token operand staged in shared memory every step;
-here T is padded to a power of two only (1 stays 1), each step adds ``up_w_tile * h``
-into an fp32 accumulator reduced once after the loop -- ``[BLOCK_N, BLOCK_K]`` with the
-one token row broadcast, ``[BLOCK_N, BLOCK_M, BLOCK_K]`` for more -- and the weight tiles
-stream through a software-pipelined plain loop. Same GEMM inputs (``h`` rounded as the
-spec says), exact products, fp32 sums in another order. Measured on the H200
-(docs/benchmarks.md): 15.4 us at T = 1 against the dot's 17.7; from two tokens on slower
-(25.4 against 17.9 at T = 2, 30.3 against 17.9 at 4: the FMAs grow with T, the dot's
-cost does not).
-
-Triton's CPU interpreter (``TRITON_INTERPRET=1``; tests) computes a 16-bit ``tl.dot``
-wrongly, so constexpr ``DOT_IN_FP32`` makes the dot an fp32 one of the already-rounded
-16-bit operands (exact products, fp32 sums: the same math as the tensor-core dot up to
-summation order). fp32 inputs always take that path with ``input_precision="ieee"``
-(torch's fp32 matmul does not use TF32 by default). ``GPU_FENCE`` is off there too
-(programs run one after another; inline PTX does not exist).
-
-**Prologue launch** (constexpr ``INV_RMS_IN``, launch option ``prenorm``; opt-in, being
-measured): every row's ``1/rms`` in a small launch before the kernel
-(``_row_inv_rms_kernel``), which then loads it instead of running its own norm prologue:
-the same normalized tile and roundings, but split-K can spread the weight stream over
-every SM without each program re-reading the rows. ``pdl`` (constexpr ``PDL``) launches
-the kernel as the prologue's programmatic dependent (sm_90+): it waits
-(``griddepcontrol.wait``) at entry, before reading any input.
-
-**Row tiles** (launch option ``block_m``): T tiled into ``block_m``-row tiles, a third grid
-dimension (``M_FIRST``: the fastest one), split-K counters per (row tile, column tile):
-the same kernel as a GEMM with the norm in its prologue and the add in its epilogue, for
-any T (without ``block_m``, T is at most ``MAX_TOKENS``).
-
-Launch options (:class:`LaunchConfig`: ``block_n``, ``block_k``, ``norm_block_k``,
-``num_warps``, ``num_stages``, ``split_k``, ``scale_after``, ``swap_ab``, ``gemv``,
-``prenorm``, ``pdl``, ``block_m``, ``m_first``) default to
-:func:`pick_launch_config` (``swap_ab`` also to whether its stages fit); the
-benchmark (``python -m k3fusion.bench.moe_tail --sweep``) times the alternatives.
+Each form's design and the interpreter's constraints: docs/architecture.md, "Module design notes", "kernels/moe_tail.py".
 """
 
 from __future__ import annotations
@@ -216,7 +143,7 @@ def _moe_tail_kernel(
     if GEMV:
         # Summed over K once, after the loop: no reduction per step. One token: a 2-D
         # accumulator the token row broadcasts into (the 3-D form's expand_dims of the
-        # weight tile costs a layout conversion per step: 17.2 against 15.4 us at T = 1).
+        # weight tile costs a layout conversion per step; docs/experiments.md).
         if BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
@@ -350,7 +277,7 @@ class LaunchConfig:
     split_k: int
     norm_block_k: int
     #: Scale the accumulator by 1/rms instead of the GEMM input (no norm prologue; the
-    #: GEMM input is round(x * w)); opt-in: measured slower on the H200.
+    #: GEMM input is round(x * w)); opt-in: measured slower (docs/experiments.md).
     scale_after: bool = False
     #: Compute ``out.T = up_w_tile @ h.T``: the weight tile is the dot's M side.
     swap_ab: bool = False
@@ -371,7 +298,7 @@ class LaunchConfig:
 
 _num_sms_cache: dict[int, int] = {}
 
-#: SMs assumed where there is no GPU to ask (the interpreter): an H200's.
+#: SMs assumed where there is no GPU to ask (the interpreter): a full Hopper's.
 _DEFAULT_SMS = 132
 
 
@@ -390,9 +317,8 @@ def _block_m(tokens: int, gemv: bool = False) -> int:
     return max(1 if gemv else 16, triton.next_power_of_2(max(tokens, 1)))
 
 
-#: Up to this many tokens the automatic choice takes the GEMV form (16-bit weights).
-#: Measured on the H200 (bf16, L = 3584, H = 7168; docs/benchmarks.md): 15.4 us at T = 1
-#: against the tensor-core dot's 17.7; slower from T = 2 on.
+#: Up to this many tokens the automatic choice takes the GEMV form (16-bit weights)
+#: (docs/benchmarks.md, "Latent-MoE tail on one GPU (`latent_moe_tail`)"; docs/experiments.md, "kernels/moe_tail.py").
 GEMV_MAX_TOKENS = 1
 #: The GEMV form's accumulator elements per program (``BLOCK_N * BLOCK_M * BLOCK_K``): 64
 #: fp32 registers per thread at 4 warps -- kept where ``block_k`` can still shrink (>= 16).
@@ -412,16 +338,13 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
 
     GEMV form (T <= :data:`GEMV_MAX_TOKENS`, 16-bit weights): 32-column tiles, ``block_k``
     256 at T = 1 (halved per doubling of T, down to 16: an 8K-element accumulator up to
-    T = 16), 4 warps, 3 stages -- the fastest of eleven shapes at T = 1 on the H200
-    (15.40 us; 16-column tiles 15.52, 64 x 128 at 8 warps 16.13), and no shape of a
-    51-shape sweep was clearly faster.
+    T = 16), 4 warps, 3 stages -- the fastest of eleven shapes at T = 1.
 
-    Dot form, measured (H200, bf16, L = 3584, H = 7168; ``--sweep``, docs/benchmarks.md):
-    64-column tiles (112 programs) without split-K, ``block_k`` 256, 4 warps, 4 stages were
-    fastest at T = 1, 8 and 16 (18.3-19.1 us against 23.7-24.2 for 32-column tiles);
-    ``norm_block_k`` 512 there (8K prologue elements: 64 fp32 accumulators per thread at 4
-    warps). 16-bit weights take the ``swap_ab`` operand order (2-3% faster; scale-after and split-K forms
-    were slower at every T, 20.5-28 us). Wider tiles mean fewer programs, each re-reading the token rows in its prologue
+    Dot form (``--sweep``): 64-column tiles (112 programs) without split-K, ``block_k`` 256,
+    4 warps, 4 stages were fastest at T = 1, 8 and 16; ``norm_block_k`` 512 there (8K
+    prologue elements: 64 fp32 accumulators per thread at 4 warps). 16-bit weights take
+    the ``swap_ab`` operand order (scale-after and split-K forms were slower at every T).
+    The numbers: docs/experiments.md, "kernels/moe_tail.py". Wider tiles mean fewer programs, each re-reading the token rows in its prologue
     once for more weight columns, and more weight bytes in flight per program. Below 64
     tiles (small ``H``) split-K fills the SMs. fp32 weights: ``block_k`` 64 (their dot
     runs on FMA units, not tensor cores), 3 stages.
@@ -442,8 +365,7 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     split_k = 1
     if tiles < 64:
         split_k = max(1, min(8, cdiv(num_sms, tiles), cdiv(latent, block_k)))
-    # swap_ab: the weight tile as the dot's M side -- 17.90 / 18.51 us against 18.37 /
-    # 18.88 at T = 1 / 16 (H200, same shape otherwise; docs/benchmarks.md). Measured at
+    # swap_ab: the weight tile as the dot's M side (docs/experiments.md). Measured at
     # BLOCK_M = 16 only (T <= 16), and only for tiles whose pipeline fits (_resolve_config).
     if gemv:
         return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3,
@@ -455,7 +377,7 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
 
 
 #: Most bytes of weight-tile pipeline stages for which the automatic choice swaps the dot's
-#: operands (the H200 has 227 KiB of shared memory per block; the rest is for the token
+#: operands (sm_90 allows 227 KiB of shared memory per block; the rest is for the token
 #: tiles and the epilogue).
 SWAP_AB_SMEM_BYTES = 160 * 1024
 

@@ -6,47 +6,11 @@ The multi-GPU fused tail (``k3fusion.moe_tail_symm``) needs
 all-reduce every rank reads every peer's partial directly (over NVLink) and sums them
 itself: one step, no ring. This module is that kernel, for both tensors in one launch.
 
-What a rank's launch does (every rank launches the same grid; program ``b`` of one rank
-only ever meets program ``b`` of the others):
+Every rank copies its partials into its own symmetric buffer, meets every peer at a
+signal-pad barrier, sums every peer's tile in fp32 in rank order (bit-identical sums on
+every rank), and meets them again before the buffer is reused.
 
-1. **Copy-in.** Program ``b`` copies its tiles of this rank's two partials into this
-   rank's symmetric buffer, packed: ``[T*L routed | pad to 16 bytes | T*H shared]``.
-2. **Barrier in** (slot ``b`` of channel 0). A CTA barrier (every thread's copy-in stores
-   are ordered before it), then one *release* flag per rank, then *acquire* waits for
-   every rank's flag, then a CTA barrier that hands the acquire on to every thread.
-   After it, the tiles of program ``b`` are complete in every rank's buffer.
-3. **Reduce.** For each of its tiles, program ``b`` loads the tile from every rank's buffer
-   in rank order 0, 1, ..., W-1 (through the array of buffer addresses), sums in fp32
-   starting from 0 and rounds once to the partial's dtype. Every rank performs the same
-   additions in the same order, so every rank gets bit-identical sums
-   (:func:`reduce_in_rank_order` is the same arithmetic in plain torch).
-4. **Barrier out** (slot ``b`` of channel 1): a CTA barrier, then a flag per rank and a
-   wait for every rank's flag, both *relaxed*. When it is passed, every rank's program
-   ``b`` has finished reading tile set ``b`` of every buffer. A rank's launch ends only
-   when all its programs are past it, so the next launch (whose copy-in overwrites this
-   rank's buffer) cannot race a slow peer still reading the previous contents. Relaxed
-   is enough here: the loads it protects have returned their values (they fed the stores
-   before the CTA barrier), and the writes it protects come in a later kernel.
-
-The flags are torch's symmetric-memory signal-pad protocol (``sync_remote_blocks`` in
-``CUDASymmetricMemory``, used by its one-shot all-reduce): a ``uint32`` slot per
-(channel, program, source rank) in every rank's signal pad. *Put* is a system-scope
-compare-and-swap 0 -> 1 on ``pad[dst][slot][my rank]``, retried while the slot still holds
-an unconsumed 1; *wait* is a compare-and-swap 1 -> 0 on ``pad[mine][slot][src]``, retried
-until it succeeds. Each flag is thus consumed by exactly the wait it was meant for and
-every launch leaves the pads all zero, so the same launch can be captured in a CUDA graph
-and replayed any number of times with no reset. The W puts (and the W waits) of a program
-run in parallel, one lane each of a ``[W]`` compare-and-swap (Triton issues each lane
-from one thread and broadcasts the result); finished lanes compare-and-swap 2 -> 2, a
-no-op, so no flag is ever raised twice.
-
-Requirements the caller keeps (``k3fusion.moe_tail_symm`` does): the signal pads are zero
-before the first launch on every rank; all launches touching one buffer are ordered (one
-stream, or a graph replayed in order) and matched across ranks (same T, L, H, dtypes,
-grid); all programs of a launch are co-resident (the grid is at most
-:data:`MAX_PROGRAMS` small programs). The kernel runs in Triton's CPU interpreter too,
-with ranks as processes that share memory-mapped files (the tests): the interpreter runs
-programs in grid order, so program ``b`` of every rank still meets program ``b``.
+The steps, the signal-pad protocol and what the caller must keep: docs/architecture.md, "Module design notes", "kernels/moe_tail_symm.py".
 """
 
 from __future__ import annotations
@@ -178,7 +142,7 @@ def _one_shot_pair_kernel(
     #    the second CTA barrier, makes their copied tiles visible to every thread here.
     if GPU_FENCE:
         # Every thread fences its own copy-in at system scope first (peers read it over
-        # NVLink): the split AttnRes barrier read stale partials on the H200 with only a
+        # NVLink): the split AttnRes barrier read stale partials on the GPU with only a
         # CTA barrier and one release atomic (kernels/attn_res.py); not risked here.
         fence_system()
     tl.debug_barrier()

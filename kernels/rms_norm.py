@@ -2,9 +2,8 @@
 
 The latent-MoE tail's unfused tiers (T above the fused tail) normalize the all-reduced
 latent with this launch instead of the reference's eager op sequence: that sequence is
-about eight kernels (cast, square, mean, add, rsqrt, scale, cast, weight), and at T = 64
-its mean alone took 8.6 us on the H200, against ~4.8 us for default Inductor's whole
-fused norm of the same rows (docs/benchmarks.md).
+about eight kernels (cast, square, mean, add, rsqrt, scale, cast, weight), slower than
+default Inductor's one fused norm (docs/experiments.md, "kernels/rms_norm.py").
 
 Formulation, matching ``k3fusion.reference.rms_norm``: fp32 sum of squares, rsqrt and
 products; cast-then-weight rounds the normalized row to ``ROUND_DTYPE`` (the input's
@@ -12,14 +11,7 @@ dtype, or the graph's ``norm_dtype``) before the weight multiply, weight-in-fp32
 once at the end. The fp32 sum runs in another order than torch's ``mean``: the result
 agrees with the reference to within that rounding, not bit for bit.
 
-``copy=(src, dst)`` adds programs that copy a ``[T, M]`` array in the same launch: the
-tail's tp = 1 unfused tiers get the buffer cuBLAS beta-adds the GEMM into without a copy
-or add kernel of their own (``k3fusion::rms_norm_and_copy``).
-
-The row count is not specialized on (``do_not_specialize``): one compiled kernel serves
-every T of a dtype and width, so a CUDA-graph capture at a new T needs no compile (the
-first call of a dtype and width still must come before any capture, as for every Triton
-kernel: a compile inside a capture invalidates it).
+``copy=(src, dst)`` and the unspecialized row count: docs/architecture.md, "Module design notes", "kernels/rms_norm.py".
 """
 
 from __future__ import annotations

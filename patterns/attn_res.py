@@ -15,34 +15,8 @@ What a site computes, as module code writes it (source dim -2)::
 The kernel computes keys, logits and the mix in fp32 (``k3fusion.reference.attn_res``);
 a module that rounds its keys or mix to bf16 gets the same function up to that rounding.
 
-Other spellings of the same site (MoonshotAI's reference and its copies)::
-
-    V       = stack(blocks + [prefix])                # sources first: [S, ..., H], or
-            | bank[:n + 1] after bank[n] = prefix     # a preallocated sources-first bank
-    keys    = RMSNorm_g(V) | F.rms_norm(V, (H,))      # no weight: weight 1
-    logits  = einsum('d, n b t d -> n b t', w, keys)  # w: Linear(H, 1).weight squeezed, or
-            | (keys * q[i]).sum(-1)                   # a row of a [sites, H] parameter
-    logits  = logits - logits.max(0, keepdim=True)    # optional (softmax is shift-invariant)
-    mixed   = einsum('n b t, n b t d -> b t d', softmax(logits, 0), V)
-
-The source dim is the softmax's; every other fact is checked against it: the dims of
-the norm, the projection, the sum or contraction of the mix (a small algebra of views,
-``_fx.view_layout``, follows the reshapes and permutes an einsum lowers to), the slices
-(start 0, step 1), keepdim, the shapes (no broadcast) and each rounding's dtype. A
-sources-first tensor bank reaches the op as a permuted view (no copy).
-
-Sources: for a list bank the completed blocks are stacked once per distinct block list
-(the sites of one block share it) instead of restacking blocks *and* prefix at every
-site; a tensor bank is read in place. A block write into a tensor bank
-(``bank[..., i, :] = prefix``) stays the graph's own op; the site reads the bank version
-before that write (the write index is >= n, so those slots are equal).
-
-Delta hand-off across layers: a layer ends with ``prefix = prefix + mlp_out``, which the
-next layer's first site (or the final one) reads straight back. That add folds like any
-other: the kernel adds ``delta`` and returns the updated prefix as its second result,
-which the block write and any other reader of the sum then read (no add kernel). Such
-folds are also counted as ``attn_res_delta_handoff`` (:func:`count_handoffs` says which
-folds are a layer's closing add).
+Other spellings (MoonshotAI's reference), the checks, the sources and the delta hand-off:
+docs/architecture.md, "Module design notes", "patterns/attn_res.py".
 """
 
 from __future__ import annotations

@@ -10,32 +10,8 @@ What a site computes (``KimiK3LatentMoE.tail``), in the post-grad graph::
     tp = 1 (no collectives):
         y   = shared + mm(rms_norm(routed), permute(up_w, [1, 0]))   # or the addmm form
 
-``mm`` may read the norm through views (``[B, S, L] -> [T, L]``) and its result may be
-viewed back before the add; it may also carry Inductor's row padding (``pad_mm``:
-``slice(mm(constant_pad_nd(h, [0, 0, 0, p]), wt), 0, 0, -p)``, which is ``mm(h, wt)``),
-as may a shared projection. ``up_w`` is a 2-D parameter ``[H, L]``; ``L`` is the norm's
-width. The group name is read from the all-reduce nodes (a match argument, not fixed at
-registration); both all-reduces must be ``"sum"`` over the same group.
-
-The tp = 1 rule (so ordinary ``x + norm(y) @ W.T`` code is not swallowed): the add partner
-must itself be the bare output of a projection -- an ``mm`` (through views), or an
-``addmm`` whose input is a 1-D bias -- as the shared experts' down-projection is. A
-residual add is *not* matched: the residual stream is a graph input, an earlier ``add``,
-an AttnRes mix, or -- after a projection, ``h + o_proj(a)`` -- an ``addmm(h, a, Wo.T)``
-whose input is the full-shape residual (Inductor folds the add into the GEMM); none of
-these is a bare projection output, so ``h + norm(x) @ W.T`` (a pre-norm block's
-residual, attention ``o_proj`` + residual, ...) is left alone. The partner must also not be computed from the norm's output (two
-independent branches meeting at the add). Folding such a site would still be exact (the
-op computes that very function at tp = 1) -- the rule is about not claiming sites that are
-not MoE tails, not about correctness.
-
-Refused (near misses, left untouched): a norm or intermediate read outside the chain
-(the reduced routed latent, the normed latent, the GEMM result, or a reduced shared value
-also read by another node); a non-sum reduction or two different groups; one operand
-reduced and the other not; a weight that is not a parameter or not transposed with
-``permute([1, 0])``; an ``addmm`` with beta/alpha, or whose input is a (broadcast) bias
-rather than the shared ``[T, H]`` value; dtypes the op does not accept; Gemma-style norms
-(not recognized as RMSNorm at all).
+The views and padding it reads through, the tp = 1 rule and the near misses it refuses:
+docs/architecture.md, "Module design notes", "patterns/moe_tail.py".
 """
 
 from __future__ import annotations

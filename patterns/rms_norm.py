@@ -12,18 +12,7 @@ The pattern matcher of Inductor does no algebra, so instead of one traced patter
 variant (pow vs. mul, operand order, dtype, dim -1 vs. ndim-1, add.Tensor vs. add.Scalar)
 this module walks outward from each ``rsqrt`` and accepts exactly the variants above.
 
-Recognition does not rewrite anything: it returns :class:`RMSNormMatch` descriptions
-(the canonical op in all but name) that the fusion passes pair, chain or fold. A norm no
-fusion claims is left as the plain aten ops it was, so Inductor fuses it with its
-neighbours as before.
-
-What is refused (near misses; these compute a different function, or fusing would drop a
-value someone else reads):
-
-* a cast to a dtype other than the input's, or a weight rounded to a narrower dtype;
-* a weight that is computed in the graph (Gemma's ``1 + w`` is a different function);
-* an intermediate (``x32``, the mean, the fp32 ``normed``...) read outside the norm;
-* a reduction over another dim or without keepdim, or a mean with a dtype argument.
+What it returns and what it refuses (near misses): docs/architecture.md, "Module design notes", "patterns/rms_norm.py".
 """
 
 from __future__ import annotations

@@ -15,36 +15,9 @@ transformers, vLLM ``forward_native``, fp32-weight, ``x * x``, and
 ``F.rms_norm``); they compute the same function, and the passes have to match
 all of them.
 
-``attn_res=True`` switches on Block Attention Residuals (K3's AttnRes):
-instead of the fixed ``h = h + f(norm(h))`` accumulation, every sublayer input
-is a softmax mix over the completed block representations (``bank``) and the
-current block's running sum (``prefix``), keyed by ``w . RMSNorm_g(v)`` with a
-learned per-sublayer pseudo-query ``w`` and key norm ``g``
-(:class:`KimiK3AttnRes`), followed by the usual pre-norm.  One block is
-``attn_res_block_size`` layers; the embedding is the first block.  The bank is
-either a Python list that grows (``attn_res_bank="list"``) or a preallocated
-``[B, S, max_blocks, H]`` tensor written in place (``"tensor"``).  Each step is
-:meth:`KimiK3DecoderLayer.apply_attn_res` (the contract of
-``k3fusion.reference.attn_res``), a method so an eager patch can swap it.
-A layer ends with ``prefix = prefix + mlp_out``; with
-``KimiK3Model.attn_res_handoff`` (off by default; ``k3fusion.eager.patch_model``
-turns it on) a layer instead returns its MLP output as the next layer's delta,
-which that layer's first AttnRes step (or the final one) adds: the same add,
-moved to where a fused step can do it (see :meth:`KimiK3DecoderLayer.forward_attn_res`).
-
-``latent_moe=True`` replaces every layer's dense ``mlp`` (``KimiK3MLP``) with
-K3's normalized latent mixture of experts (:class:`KimiK3LatentMoE`): a sigmoid
-router whose ``e_score_correction_bias`` steers selection only, top-k weights
-renormalized; one replicated down-projection hidden -> latent; routed experts
-in latent width (SiTU-GLU, or plain SiLU-GLU); the latent sum RMS-normalized
-(``latent_norm``) and up-projected back (``up_proj``); plus shared experts on
-the full-width input.  Tensor parallelism: pass ``tp_group`` (a
-``torch.distributed`` process group) and every rank holds a ``1/tp`` slice of
-each expert's and the shared experts' intermediate width (load a tp=1
-checkpoint with :func:`tp_shard_state_dict`), so both the routed latent and
-the shared output are per-rank partial sums, all-reduced in the tail
-(:meth:`KimiK3LatentMoE.tail`) with functional collectives; everything else is
-replicated.  No group: tp=1, no collective.
+``attn_res=True`` (Block Attention Residuals, the delta hand-off) and
+``latent_moe=True`` (K3's latent mixture of experts, tensor parallel):
+docs/architecture.md, "Module design notes", "k3fusion/models/kimi_k3.py".
 """
 
 from __future__ import annotations
