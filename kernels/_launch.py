@@ -51,10 +51,10 @@ def interpreter_enabled() -> bool:
 
 def _interpret_flag() -> bool:
     """Triton's own interpreter flag, the one ``triton.jit`` reads when it decorates."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return interpreter_enabled()  # Triton without knobs reads the variable itself
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is not None and hasattr(runtime, "interpret"):
+        return bool(runtime.interpret)
+    return interpreter_enabled()  # a Triton without that knob reads the variable itself
 
 
 #: Whether this package's kernels were decorated for the interpreter: they are decorated in
