@@ -276,3 +276,43 @@ def assert_close_rounding(actual: torch.Tensor, expected: torch.Tensor,
     eps = torch.finfo(dtype).eps
     scale = float(expected.abs().max()) if expected.numel() else 0.0
     torch.testing.assert_close(actual, expected, rtol=ulps * eps, atol=ulps * eps * scale)
+
+
+def expected_from(*verdicts: bool | None) -> bool | None:
+    """Combine per-part verdicts of a mutation (True: keeps the op, False: breaks it,
+    None: either): any False breaks the site, else any None leaves it open."""
+    if any(v is False for v in verdicts):
+        return False
+    return None if any(v is None for v in verdicts) else True
+
+
+def check_mutated_site(module: torch.nn.Module, args: tuple, fusion: str,
+                       expect: bool | None, *, dynamic: bool, what: str,
+                       rounded: torch.dtype) -> int:
+    """The mutation tests' rule for one drawn site: run the real passes (no codegen) and
+    require ``fusion`` to match exactly when ``expect`` says so; a fused site is compiled
+    again through real Inductor (as users compile it), an unfused one must leave the graph
+    exactly as it was; every output equals eager within ``rounded``'s rounding."""
+    with torch.no_grad():
+        want = module(*args)
+    k3fusion.reset_match_counts()
+    with no_compile_caches():
+        got, be = compile_capture(module, *args, dynamic=dynamic)
+    fused = k3fusion.match_counts().get(fusion, 0)
+    if expect is not None:
+        assert fused == int(expect), f"{what}: fused {fused}, expected {int(expect)}"
+    else:
+        assert fused in (0, 1), what
+    if fused:
+        torch._dynamo.reset()
+        k3fusion.reset_match_counts()
+        with torch.no_grad(), no_compile_caches():
+            got = torch.compile(module, backend="k3fusion", dynamic=dynamic)(*args)
+        assert k3fusion.match_counts().get(fusion, 0) == 1, what
+    else:  # left exactly as it was: what Inductor compiles is default Inductor's graph
+        assert op_histogram(be.graph_after) == op_histogram(be.graph_before), what
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    assert len(got) == len(want), what
+    for a, b in zip(got, want):
+        assert_close_rounding(a, b, rounded=rounded)
+    return fused

@@ -16,15 +16,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import k3fusion
 from _norm_spellings import NORM_MUTATIONS, WRITTEN, Norm, applicable
 
 try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import (assert_close_rounding, compile_capture, fresh_state,  # noqa: F401
-                              no_compile_caches, op_histogram)
+    from .graph_utils import (check_mutated_site, expected_from,  # noqa: F401
+                              fresh_state)
 except ImportError:
-    from graph_utils import (assert_close_rounding, compile_capture, fresh_state,  # noqa: F401
-                             no_compile_caches, op_histogram)
+    from graph_utils import (check_mutated_site, expected_from,  # noqa: F401
+                             fresh_state)
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),
@@ -96,12 +95,7 @@ def expected_fused(norm_mutation: str, site: str, dtype: torch.dtype) -> bool | 
     norm_ok = NORM_MUTATIONS[norm_mutation][0]
     if norm_mutation == "cast_other_dtype":  # drawn for fp32 only: the op's norm_dtype form
         norm_ok = True
-    site_ok = SITE_MUTATIONS[site][0]
-    if norm_ok is False or site_ok is False:
-        return False
-    if norm_ok is None or site_ok is None:
-        return None
-    return True
+    return expected_from(norm_ok, SITE_MUTATIONS[site][0])
 
 
 @st.composite
@@ -130,32 +124,11 @@ def rounding_dtype(norm_mutation: str, dtype: torch.dtype) -> torch.dtype:
 def check_draw(spelling, norm_mutation, site, dtype, lead, dynamic=False, seed=0):
     module = LatentTail(spelling, norm_mutation, site, dtype, lead[-1], seed).eval()
     g = torch.Generator().manual_seed(seed + 7)
-    args = [torch.randn(*lead, n, generator=g).to(dtype) for n in (ACT, LATENT, HIDDEN)]
+    args = tuple(torch.randn(*lead, n, generator=g).to(dtype) for n in (ACT, LATENT, HIDDEN))
     what = f"{norm_mutation} in {spelling}, site {site}, {dtype}, {lead}, dynamic={dynamic}"
-    with torch.no_grad():
-        want = module(*args)
-    k3fusion.reset_match_counts()
-    with no_compile_caches():
-        got, be = compile_capture(module, *args, dynamic=dynamic)  # real passes, no codegen
-    fused = k3fusion.match_counts().get("moe_tail", 0)
-    expect = expected_fused(norm_mutation, site, dtype)
-    if expect is not None:
-        assert fused == int(expect), f"{what}: fused {fused}, expected {int(expect)}"
-    else:
-        assert fused in (0, 1), what
-    if fused:
-        torch._dynamo.reset()
-        k3fusion.reset_match_counts()
-        with torch.no_grad(), no_compile_caches():
-            got = torch.compile(module, backend="k3fusion", dynamic=dynamic)(*args)
-        assert k3fusion.match_counts().get("moe_tail", 0) == 1, what
-    else:
-        assert op_histogram(be.graph_after) == op_histogram(be.graph_before), what
-    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
-    assert len(got) == len(want), what
-    for a, b in zip(got, want):
-        assert_close_rounding(a, b, rounded=rounding_dtype(norm_mutation, dtype))
-    return fused
+    return check_mutated_site(module, args, "moe_tail", expected_fused(norm_mutation, site, dtype),
+                              dynamic=dynamic, what=what,
+                              rounded=rounding_dtype(norm_mutation, dtype))
 
 
 # CI: 25 draws (~20 s on 2 busy cores); HYPOTHESIS_PROFILE=dev: 300.

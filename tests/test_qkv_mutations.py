@@ -17,15 +17,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import k3fusion
 from _norm_spellings import NORM_MUTATIONS, WRITTEN, Norm, applicable
 
 try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import (assert_close_rounding, compile_capture, fresh_state,  # noqa: F401
-                              no_compile_caches, op_histogram)
+    from .graph_utils import (check_mutated_site, expected_from,  # noqa: F401
+                              fresh_state)
 except ImportError:
-    from graph_utils import (assert_close_rounding, compile_capture, fresh_state,  # noqa: F401
-                             no_compile_caches, op_histogram)
+    from graph_utils import (check_mutated_site, expected_from,  # noqa: F401
+                             fresh_state)
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),
@@ -105,12 +104,7 @@ def expected_fused(norm_mutation: str, site: str, dtype: torch.dtype) -> bool | 
         # 16-bit: cast to the other 16-bit dtype, another function; fp32 cast to 16 bits:
         # the norm_dtype form, which the pair kernel does not take.
         norm_ok = False
-    site_ok = SITE_MUTATIONS[site][0]
-    if norm_ok is False or site_ok is False:
-        return False
-    if norm_ok is None or site_ok is None:
-        return None
-    return True
+    return expected_from(norm_ok, SITE_MUTATIONS[site][0])
 
 
 @st.composite
@@ -146,31 +140,9 @@ def check_draw(norm_mutation, member, site, spellings, dtype, lead, dynamic=Fals
     h = torch.randn(*lead, HIDDEN, generator=g).to(dtype)
     what = (f"{norm_mutation} on {member} ({spellings}), site {site}, {dtype}, {lead}, "
             f"dynamic={dynamic}")
-    with torch.no_grad():
-        want = module(h)
-    k3fusion.reset_match_counts()
-    with no_compile_caches():
-        got, be = compile_capture(module, h, dynamic=dynamic)  # real passes, no codegen
-    fused = k3fusion.match_counts().get("qkv_rmsnorm", 0)
-    expect = expected_fused(norm_mutation, site, dtype)
-    if expect is not None:
-        assert fused == int(expect), f"{what}: fused {fused}, expected {int(expect)}"
-    else:
-        assert fused in (0, 1), what
-    if fused:
-        # The rewritten graph through real Inductor (lowering, codegen) as users compile.
-        torch._dynamo.reset()
-        k3fusion.reset_match_counts()
-        with torch.no_grad(), no_compile_caches():
-            got = torch.compile(module, backend="k3fusion", dynamic=dynamic)(h)
-        assert k3fusion.match_counts().get("qkv_rmsnorm", 0) == 1, what
-    else:
-        # Left exactly as it was: what Inductor compiles is default Inductor's graph.
-        assert op_histogram(be.graph_after) == op_histogram(be.graph_before), what
-    assert len(got) == len(want), what
-    for a, b in zip(got, want):
-        assert_close_rounding(a, b, rounded=rounding_dtype(norm_mutation, dtype))
-    return fused
+    return check_mutated_site(module, (h,), "qkv_rmsnorm",
+                              expected_fused(norm_mutation, site, dtype), dynamic=dynamic,
+                              what=what, rounded=rounding_dtype(norm_mutation, dtype))
 
 
 def rounding_dtype(norm_mutation: str, dtype: torch.dtype) -> torch.dtype:
