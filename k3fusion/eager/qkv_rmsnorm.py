@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import ops, reference
-from .ops import check_rms_norm_args
+from .. import ops, reference
+from ..ops import check_rms_norm_args
 
 __all__ = ["fused_qkv_rmsnorm", "RMSNormSpec", "rms_norm_spec", "FusedQKVRMSNorm",
            "patch_model", "PatchReport", "attn_res", "AttnResSpec", "attn_res_spec"]
@@ -580,7 +580,7 @@ def _patch_attn_res(module: nn.Module) -> str | None:
 
 __all__ += ["MoETailRunner", "moe_tail_runners"]
 
-from .config import get_config  # noqa: E402
+from ..config import get_config  # noqa: E402
 
 
 class MoETailRunner(nn.Module):
@@ -600,7 +600,7 @@ class MoETailRunner(nn.Module):
 
     def __init__(self, norm: nn.Module, up_proj: nn.Module, group=None, *, tier=None) -> None:
         super().__init__()
-        from . import moe_tail
+        from .. import moe_tail
 
         spec = rms_norm_spec(norm)
         if spec is None:
@@ -623,7 +623,7 @@ class MoETailRunner(nn.Module):
                 donate_shared: bool = False) -> torch.Tensor:
         """Per-rank partials ``routed_latent [..., L]``, ``shared [..., H]`` -> ``[..., H]``.
         ``donate_shared``: ``shared`` is a temporary the tail may overwrite."""
-        from . import moe_tail
+        from .. import moe_tail
 
         y, tier = moe_tail.run_latent_moe_tail(
             routed_latent, shared, self.norm.weight, self._eps, self.up_proj.weight, self.group,
