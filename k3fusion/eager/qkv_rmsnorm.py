@@ -39,8 +39,8 @@ def fused_qkv_rmsnorm(
     ``kv_c`` may be a strided view (the first ``kv_lora`` columns of the kv projection).
     """
     if torch.compiler.is_compiling():
-        return (reference.rms_norm(q_c, q_weight, q_eps, q_weight_in_fp32),
-                reference.rms_norm(kv_c, kv_weight, kv_eps, kv_weight_in_fp32))
+        return reference.dual_rms_norm(q_c, q_weight, q_eps, kv_c, kv_weight, kv_eps,
+                                       q_weight_in_fp32, kv_weight_in_fp32)
     # Checked here too: the op's schema would turn eps=True into 1.0 and a string eps
     # into a RuntimeError before its own checks run.
     check_rms_norm_args(q_c, q_weight, q_eps, x_name="q_c", w_name="q_weight", eps_name="q_eps")
