@@ -1,0 +1,86 @@
+"""Which norm modules the eager fusions may replace: the standard RMSNorm kind, verified.
+
+Shared by every fusion that reads a norm's weight and eps from a module (the q/kv pair,
+AttnRes's key and output norms, the MoE tail's latent norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import reference
+
+
+@dataclass(frozen=True)
+class RMSNormSpec:
+    """What a norm module computes, in terms of ``k3fusion.reference.rms_norm``."""
+
+    weight: nn.Parameter
+    eps: float
+    weight_in_fp32: bool
+
+
+def _declared_spec(module: nn.Module) -> tuple[nn.Parameter, float] | None:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    if isinstance(module, nn.RMSNorm):
+        eps = module.eps if module.eps is not None else torch.finfo(weight.dtype).eps
+    else:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return None
+    return weight, float(eps)
+
+
+@torch.no_grad()
+def rms_norm_spec(module: nn.Module) -> RMSNormSpec | None:
+    """The module's RMSNorm formulation, or None if it is not of the standard kind.
+
+    Its weight and eps come from the usual attributes (``weight``; ``variance_epsilon``
+    or ``eps``); the formulation is then *verified*: the module must reproduce one of
+    the two reference formulations bit for bit on a probe input. Gemma's ``1 + w``,
+    or anything else, fails that check and is left alone.
+    """
+    declared = _declared_spec(module)
+    if declared is None:
+        return None
+    weight, eps = declared
+    if weight.device.type == "meta":
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n = weight.shape[0]
+    probe = torch.randn(8, n, generator=gen).mul_(3).to(weight.device, weight.dtype)
+    # Probe with a random weight (swapped in through .data, the user's storage is not
+    # touched): with a fresh all-ones weight both formulations agree and the probe
+    # could not tell which one the module computes once real weights are loaded.
+    probe_w = (1 + 0.5 * torch.randn(n, generator=gen)).to(weight.device, weight.dtype)
+    original = weight.data
+    weight.data = probe_w
+    try:
+        got = module(probe)
+    except Exception:  # not callable like a norm: not ours to patch
+        return None
+    finally:
+        weight.data = original
+    weight = probe_w
+    for weight_in_fp32 in (False, True):
+        want = reference.rms_norm(probe, weight, eps, weight_in_fp32)
+        if got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want):
+            return RMSNormSpec(module.weight, eps, weight_in_fp32)
+    return None
+
+
+_NO_EPS = object()
+
+
+def _raw_eps(module: nn.Module):
+    """The attribute :func:`_declared_spec` reads eps from, as stored (a cheap check that
+    it was not changed after patching)."""
+    eps = module.__dict__.get("variance_epsilon", _NO_EPS)
+    if eps is _NO_EPS:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return eps

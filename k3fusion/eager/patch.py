@@ -1,0 +1,86 @@
+"""``patch_model``: switch a model's modules to the fused eager kernels, one fusion at a time.
+
+:data:`PATCHERS` lists each fusion's detector (does a module have the fusion's contract?)
+and patcher (install it; say what was patched or why not), in the order they are tried on
+each module; :class:`PatchReport` collects what they say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .attn_res import has_attn_res_step, patch_attn_res
+from .moe_tail import is_latent_moe, patch_moe_tail
+from .qkv_rmsnorm import has_qkv_norms, patch_qkv_rmsnorm
+
+#: When a patched module runs its fused kernels, in :attr:`PatchReport.notes`.
+FUSED_WHEN = ("patched modules run their fused kernels only where autograd records nothing "
+              "(torch.no_grad(), or no input or parameter requires grad), outside autocast "
+              "and torch.compile; the q/kv norms also not in torch.inference_mode() (no "
+              "version counters). Otherwise the original modules run (docs/eager.md).")
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch_model` did: module names patched, and skipped with the reason;
+    ``notes``: when the patched modules fall back to the original ones."""
+
+    patched: list[str]
+    skipped: dict[str, str]
+    notes: list[str] = field(default_factory=lambda: [FUSED_WHEN])
+
+    def __len__(self) -> int:
+        return len(self.patched)
+
+
+#: ``(fusion, detector, patcher)``, tried in this order on every module (a module may have
+#: several). ``detector(module) -> bool``; ``patcher(name, module) -> [(report key, None if
+#: patched else why skipped)]``, entries in the order the report lists them.
+PATCHERS = (
+    ("moe_tail", is_latent_moe, patch_moe_tail),
+    ("attn_res", has_attn_res_step, patch_attn_res),
+    ("qkv_rmsnorm", has_qkv_norms, patch_qkv_rmsnorm),
+)
+
+
+def patch_model(model: nn.Module) -> PatchReport:
+    """Switch ``model`` to the fused eager kernels.
+
+    * MLA q/kv norms: a module qualifies when it has ``q_a_proj``, ``q_a_layernorm``,
+      ``kv_a_proj_with_mqa`` and ``kv_a_layernorm`` children and both norms are of the
+      standard RMSNorm kind (verified numerically, see :func:`rms_norm_spec`).
+    * AttnRes: every module with an ``apply_attn_res`` method (the Kimi-K3 contract, see
+      ``k3fusion.models.kimi_k3.apply_attn_res``) runs the fused kernel; calls whose
+      AttnRes or norm modules are not standard (:func:`attn_res_spec`) run the original.
+      Delta hand-off: such a module that also has a bool ``attn_res_handoff`` attribute
+      (``KimiK3Model``: its layers then return their MLP output as the next layer's
+      delta) gets it set, so each layer's closing ``prefix + mlp_out`` is added inside
+      the next fused step (reported as ``<name>.attn_res_handoff``).
+    * Latent-MoE tail: every module with ``latent_norm`` and ``up_proj`` children, a
+      ``tail(routed_latent, shared)`` method and a ``tp_group`` attribute (the Kimi-K3
+      contract, ``k3fusion.models.kimi_k3.KimiK3LatentMoE``) runs its tail through a
+      :class:`MoETailRunner` (tier selected per call); a non-standard ``latent_norm``
+      is skipped with the reason.
+
+    Training: while autograd records (grad mode on and an input or parameter requires
+    grad) the patched modules run the original ones, so a backward pass is exact; the
+    fused kernels have no backward (see ``PatchReport.notes`` and ``docs/eager.md``).
+
+    Idempotent. Returns a :class:`PatchReport` naming what was patched and what was
+    skipped and why.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    report = PatchReport([], {})
+    for name, module in list(model.named_modules()):
+        for _fusion, detects, patch in PATCHERS:
+            if not detects(module):
+                continue
+            for key, why in patch(name, module):
+                if why is None:
+                    report.patched.append(key)
+                else:
+                    report.skipped[key] = why
+    return report

@@ -1,0 +1,229 @@
+"""Eager q/kv RMSNorm pair: :func:`fused_qkv_rmsnorm` (both MLA norms in one launch),
+:class:`FusedQKVRMSNorm`, and the prefetch :func:`k3fusion.eager.patch_model` installs.
+
+The prefetch fuses an MLA module's norms without touching its ``forward``: the q
+projection computes both projections and both norms in one launch, and the kv projection
+and the two norms hand back those results only for the very tensors it produced
+(docs/architecture.md, "Module design notes", "k3fusion/eager/").
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import reference
+from ..ops import check_rms_norm_args
+from ._guards import _records_grad, _Seen
+from ._norm_spec import _raw_eps, rms_norm_spec
+
+log = logging.getLogger("k3fusion")
+
+
+def fused_qkv_rmsnorm(
+    q_c: torch.Tensor,
+    q_weight: torch.Tensor,
+    q_eps: float,
+    kv_c: torch.Tensor,
+    kv_weight: torch.Tensor,
+    kv_eps: float,
+    *,
+    q_weight_in_fp32: bool = False,
+    kv_weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(q_c), rms_norm(kv_c))`` in one kernel launch (plain ops when compiling).
+
+    ``kv_c`` may be a strided view (the first ``kv_lora`` columns of the kv projection).
+    """
+    if torch.compiler.is_compiling():
+        return reference.dual_rms_norm(q_c, q_weight, q_eps, kv_c, kv_weight, kv_eps,
+                                       q_weight_in_fp32, kv_weight_in_fp32)
+    # Checked here too: the op's schema would turn eps=True into 1.0 and a string eps
+    # into a RuntimeError before its own checks run.
+    check_rms_norm_args(q_c, q_weight, q_eps, x_name="q_c", w_name="q_weight", eps_name="q_eps")
+    check_rms_norm_args(kv_c, kv_weight, kv_eps, x_name="kv_c", w_name="kv_weight", eps_name="kv_eps")
+    return torch.ops.k3fusion.dual_rms_norm(q_c, q_weight, q_eps, kv_c, kv_weight, kv_eps,
+                                            q_weight_in_fp32, kv_weight_in_fp32)
+
+
+class FusedQKVRMSNorm(nn.Module):
+    """The q/kv norm pair of one attention module as a single fused call.
+
+    Keeps the original norm modules (their parameters stay where they were).
+    """
+
+    def __init__(self, q_norm: nn.Module, kv_norm: nn.Module) -> None:
+        super().__init__()
+        q_spec, kv_spec = rms_norm_spec(q_norm), rms_norm_spec(kv_norm)
+        if q_spec is None:
+            raise TypeError(f"q_norm ({type(q_norm).__name__}) is not a standard RMSNorm")
+        if kv_spec is None:
+            raise TypeError(f"kv_norm ({type(kv_norm).__name__}) is not a standard RMSNorm")
+        self.q_norm, self.kv_norm = q_norm, kv_norm
+        self._q_fp32, self._kv_fp32 = q_spec.weight_in_fp32, kv_spec.weight_in_fp32
+        self._q_eps, self._kv_eps = q_spec.eps, kv_spec.eps
+
+    def forward(self, q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_qkv_rmsnorm(
+            q_c, self.q_norm.weight, self._q_eps, kv_c, self.kv_norm.weight, self._kv_eps,
+            q_weight_in_fp32=self._q_fp32, kv_weight_in_fp32=self._kv_fp32)
+
+
+def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    if module._modules:
+        return [*module.parameters(), *module.buffers()]
+    return [t for d in (module._parameters, module._buffers) for t in d.values() if t is not None]
+
+
+class _ModuleState:
+    """A module's parameters and buffers as a result saw them (object, data, version)."""
+
+    __slots__ = ("module", "key")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.key = [(t, t.data_ptr(), t._version) for t in _module_tensors(module)]
+
+    def unchanged(self) -> bool:
+        now = _module_tensors(self.module)
+        return len(now) == len(self.key) and all(
+            t is k and t.data_ptr() == p and t._version == v for t, (k, p, v) in zip(now, self.key))
+
+
+def _can_fuse(x: torch.Tensor) -> bool:
+    """The fused kernels stand in for the modules only where they compute the same thing
+    and a later in-place write to an input is visible: not while compiling, autocasting
+    or in inference mode (inference tensors keep no version counter)."""
+    return not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+                or x.is_inference() or torch.is_autocast_enabled(x.device.type))
+
+
+@dataclass
+class _Stash:
+    """One prefetch step's results, each handed out at most once, and only to a call
+    whose input is the tensor (same base, view and version) the step computed it from,
+    with the module's parameters unchanged."""
+
+    hidden: _Seen
+    kv_state: _ModuleState
+    kv: torch.Tensor | None
+    q_c: _Seen
+    q_state: _ModuleState
+    q_out: torch.Tensor | None
+    kv_c: _Seen
+    kv_norm_state: _ModuleState
+    kv_out: torch.Tensor | None
+
+
+class _QKVPrefetch:
+    """Fuses one attention module's q/kv norms by overriding four children's ``forward``.
+
+    The children stay the same modules (state_dict keys, parameters and hooks are
+    unchanged); only their instance ``forward`` is replaced, and the originals are kept.
+    """
+
+    def __init__(self, attn: nn.Module) -> None:
+        self.fused = FusedQKVRMSNorm(attn.q_a_layernorm, attn.kv_a_layernorm)
+        self.q_proj, self.kv_proj = attn.q_a_proj, attn.kv_a_proj_with_mqa
+        self.q_norm, self.kv_norm = attn.q_a_layernorm, attn.kv_a_layernorm
+        self.original = {m: m.forward for m in (self.q_proj, self.kv_proj, self.q_norm, self.kv_norm)}
+        self.kv_lora = int(self.kv_norm.weight.shape[0])
+        self._eps_at_patch = (_raw_eps(self.q_norm), _raw_eps(self.kv_norm))
+        self.stash: _Stash | None = None
+
+    def install(self) -> None:
+        self.q_proj.forward = self.project_q
+        self.kv_proj.forward = self.project_kv
+        self.q_norm.forward = self.norm_q
+        self.kv_norm.forward = self.norm_kv
+        for m in self.original:
+            m._k3fusion_prefetch = self
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        return (isinstance(x, torch.Tensor) and _can_fuse(x)
+                and not _records_grad((x,), self.original))
+
+    def _eps_unchanged(self) -> bool:
+        return (_raw_eps(self.q_norm) == self._eps_at_patch[0]
+                and _raw_eps(self.kv_norm) == self._eps_at_patch[1])
+
+    def project_q(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.stash = None
+        q_c = self.original[self.q_proj](hidden)
+        if not self._fusable(hidden) or not self._eps_unchanged():
+            return q_c
+        try:  # the prefetch must not raise where the module would not have been called
+            kv = self.original[self.kv_proj](hidden)
+        except Exception as e:
+            log.debug("k3fusion eager: q/kv prefetch skipped: %s", e)
+            return q_c
+        kv_c = kv[..., : self.kv_lora]
+        try:
+            check_rms_norm_args(q_c, self.q_norm.weight, self.fused._q_eps, x_name="q_c")
+            check_rms_norm_args(kv_c, self.kv_norm.weight, self.fused._kv_eps, x_name="kv_c")
+        except (TypeError, ValueError) as e:  # unusual layout: let the modules run as written
+            log.debug("k3fusion eager: q/kv prefetch skipped: %s", e)
+            return q_c
+        q_out, kv_out = self.fused(q_c, kv_c)
+        self.stash = _Stash(_Seen(hidden), _ModuleState(self.kv_proj), kv,
+                            _Seen(q_c), _ModuleState(self.q_norm), q_out,
+                            _Seen(kv_c), _ModuleState(self.kv_norm), kv_out)
+        return q_c
+
+    def project_kv(self, hidden: torch.Tensor) -> torch.Tensor:
+        s = self.stash
+        if (s is not None and s.kv is not None and s.hidden.matches(hidden)
+                and s.kv_state.unchanged() and self._fusable(hidden)):
+            kv, s.kv = s.kv, None
+            return kv
+        return self.original[self.kv_proj](hidden)
+
+    def norm_q(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stash
+        if (s is not None and s.q_out is not None and s.q_c.matches(x)
+                and s.q_state.unchanged() and self._fusable(x) and self._eps_unchanged()):
+            out, s.q_out = s.q_out, None
+            return out
+        return self.original[self.q_norm](x)
+
+    def norm_kv(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stash
+        if (s is not None and s.kv_out is not None and s.kv_c.matches(x)
+                and s.kv_norm_state.unchanged() and self._fusable(x) and self._eps_unchanged()):
+            out, s.kv_out = s.kv_out, None
+            if s.q_out is None:
+                self.stash = None  # the step is complete; drop the references
+            return out
+        return self.original[self.kv_norm](x)
+
+
+_PAIR_CHILDREN = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+
+
+def has_qkv_norms(module: nn.Module) -> bool:
+    """Has the MLA norm pair (``q_a_layernorm`` and ``kv_a_layernorm``): a candidate; the
+    patcher reports what else it lacks."""
+    return all(hasattr(module, c) for c in _PAIR_CHILDREN[1::2])
+
+
+def _install_prefetch(module: nn.Module) -> str | None:
+    """Install the q/kv prefetch on ``module``; None, or why it was skipped."""
+    if hasattr(module.q_a_layernorm, "_k3fusion_prefetch"):
+        return "already patched"
+    missing = [c for c in _PAIR_CHILDREN if not isinstance(getattr(module, c, None), nn.Module)]
+    if missing:
+        return f"no {', '.join(missing)} child"
+    try:
+        prefetch = _QKVPrefetch(module)
+    except TypeError as e:
+        return str(e)
+    prefetch.install()
+    return None
+
+
+def patch_qkv_rmsnorm(name: str, module: nn.Module) -> list[tuple[str, str | None]]:
+    """``[(report key, None if patched else why skipped)]``: the module's own name."""
+    return [(name, _install_prefetch(module))]
