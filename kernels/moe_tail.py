@@ -18,12 +18,13 @@ Each form's design and the interpreter's constraints: docs/architecture.md, "Mod
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
 
@@ -38,12 +39,9 @@ __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_
            "check_fused_tail_args"]
 
 #: Largest token count the kernel takes (``BLOCK_M``: T padded to a power of two, >= 16 for a dot).
-#: Tier selection stops earlier: at the implementation's measured limit (16,
-#: ``k3fusion.moe_tail.TRITON_SELECT_MAX_TOKENS``) and ``FusionConfig.fused_tail_max_tokens``.
+#: Tier selection stops earlier: at the implementation's measured limit
+#: (``k3fusion.moe_tail.TRITON_SELECT_MAX_TOKENS``) and ``FusionConfig.fused_tail_max_tokens``.
 MAX_TOKENS = 64
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 @triton.jit
 def _inv_rms(sum_sq, row_mask, L, eps):
@@ -453,69 +451,18 @@ def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp
                           norm_dtype=None, max_tokens: int | None = MAX_TOKENS) -> None:
     """Validate a direct kernel call; TypeError/ValueError naming the argument.
 
-    ``routed_latent [T, L]`` and ``shared [T, H]`` (any row strides, last dim contiguous),
-    ``norm_w [L]`` contiguous, ``up_w [H, L]`` (any row stride, last dim contiguous),
-    ``0 <= T <= max_tokens`` (None: any T -- the row-tiled ``block_m`` launches), one device, and the normed latent's dtype
-    (``rms_norm_out_dtype``) equal to ``up_w``'s and ``shared``'s -- the reference's GEMM
-    and add take no mixed dtypes either. Also that the kernel can run on the device
-    (RuntimeError otherwise).
+    The family's rules (``k3fusion.moe_tail_args.check_latent_moe_tail_args`` in its
+    ``direct`` form: 2-D ``[T, L]`` / ``[T, H]`` partials, any row strides, last dims
+    contiguous, one device, one dtype for the normed latent, ``up_w`` and ``shared``), and
+    the kernel's own: ``T <= max_tokens`` (None: any T -- the row-tiled ``block_m``
+    launches) and a device it can run on (RuntimeError otherwise).
     """
-    for name, t in (("routed_latent", routed_latent), ("shared", shared), ("norm_w", norm_w),
-                    ("up_w", up_w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    if not isinstance(weight_in_fp32, bool):
-        raise TypeError(f"weight_in_fp32 must be a bool, got {type(weight_in_fp32).__name__}")
-    for name, t, dims in (("routed_latent", routed_latent, "[T, L]"), ("shared", shared, "[T, H]"),
-                          ("up_w", up_w, "[H, L]")):
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D {dims}, got shape {tuple(t.shape)}")
-    if norm_w.dim() != 1:
-        raise ValueError(f"norm_w must be 1-D [L], got shape {tuple(norm_w.shape)}")
-    tokens, latent = routed_latent.shape
-    hidden = up_w.shape[0]
-    if latent == 0:
-        raise ValueError("routed_latent rows must not be empty (L = 0)")
-    if hidden == 0:
-        raise ValueError("up_w has no rows (H = 0)")
+    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype,
+                               weight_in_fp32, direct=True)
+    tokens = routed_latent.shape[0]
     if max_tokens is not None and tokens > max_tokens:
         raise ValueError(f"routed_latent has T={tokens} rows; the fused tail kernel takes at "
                          f"most {max_tokens} (more with block_m: row tiles)")
-    if norm_w.shape[0] != latent:
-        raise ValueError(f"norm_w has {norm_w.shape[0]} elements but routed_latent rows are "
-                         f"{latent} wide")
-    if up_w.shape[1] != latent:
-        raise ValueError(f"up_w is {tuple(up_w.shape)} but routed_latent rows are {latent} "
-                         f"wide (up_w must be [H, L={latent}])")
-    if tuple(shared.shape) != (tokens, hidden):
-        raise ValueError(f"shared must be [T={tokens}, H={hidden}], got {tuple(shared.shape)}")
-    for name, t in (("routed_latent", routed_latent), ("shared", shared), ("up_w", up_w)):
-        if t.shape[1] > 1 and t.stride(1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim, got stride {t.stride(1)}")
-    if latent > 1 and norm_w.stride(0) != 1:
-        raise ValueError(f"norm_w must be contiguous, got stride {norm_w.stride(0)}")
-    for name, t in (("routed_latent", routed_latent), ("norm_w", norm_w)):
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
-    from k3fusion.reference import rms_norm_out_dtype
-
-    if norm_dtype is not None and (weight_in_fp32 or norm_dtype not in _DTYPES):
-        raise ValueError(f"norm_dtype must be None or a float dtype with weight_in_fp32=False, "
-                         f"got {norm_dtype} (weight_in_fp32={weight_in_fp32})")
-    normed = rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32, norm_dtype)
-    if not normed == up_w.dtype == shared.dtype:
-        raise TypeError(
-            f"dtypes must agree: rms_norm(routed_latent {routed_latent.dtype}, norm_w "
-            f"{norm_w.dtype}, weight_in_fp32={weight_in_fp32}) gives {normed}, up_w is "
-            f"{up_w.dtype}, shared is {shared.dtype}")
-    for name, t in (("shared", shared), ("norm_w", norm_w), ("up_w", up_w)):
-        if t.device != routed_latent.device:
-            raise ValueError(f"{name} is on {t.device} but routed_latent is on "
-                             f"{routed_latent.device}")
     device = routed_latent.device
     if device.type == "cuda" or (device.type == "cpu" and _kernels_are_interpreted()):
         return
