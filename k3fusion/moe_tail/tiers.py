@@ -289,8 +289,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 def _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype):
     """The unfused tiers' ``rms_norm(all_reduce(routed))``. On CUDA the norm is
     ``k3fusion::rms_norm``: one Triton launch, where the reference's eager sequence is
-    about eight kernels (twice default Inductor's time for the tail at T = 17-64;
-    docs/experiments.md, "kernels/rms_norm.py"); it agrees with the reference within the fp32 sum's order.
+    about eight kernels (docs/experiments.md, "kernels/rms_norm.py"); it agrees with the
+    reference within the fp32 sum's order.
     Under torch.compile (Inductor fuses the norm itself) and on CPU: the reference's ops,
     bit for bit."""
     x = reference.all_reduce(routed, group)
