@@ -9,8 +9,8 @@ Three ways in:
 
 from __future__ import annotations
 
-from . import ops  # noqa: F401  registers torch.ops.k3fusion.*
-from . import moe_tail  # noqa: F401  registers the fused-tail (TAIL_FUSION) kernel
+from . import ops  # noqa: F401  registers the norm and AttnRes ops (torch.ops.k3fusion.*)
+from . import moe_tail  # noqa: F401  registers k3fusion::latent_moe_tail and its fused kernel
 from .backend import install, uninstall
 from .config import FusionConfig, get_config, set_config
 from .counters import match_counts, reset_match_counts

@@ -46,8 +46,8 @@ class FusionConfig:
     #: lands); False runs the plain replicated tail everywhere.
     moe_tail: bool = True
     #: TAIL_FUSION tier for 0 < tokens <= this, where a fused-tail implementation supports
-    #: the platform and its own measured limit admits T (``k3fusion.moe_tail``: the tp = 1
-    #: kernel stops at 16, the symmetric-memory one at 64); 0 never selects it.
+    #: the platform and its own measured limit admits T (``TailFusionImpl.select_max_tokens``
+    #: in ``k3fusion.moe_tail``); 0 never selects it.
     fused_tail_max_tokens: int = 64
     #: ALLREDUCE_OVERLAP tier (shared-expert all-reduce on a side stream, replicated
     #: up-projection) for 0 < tokens <= this (0 never selects it); above it COLUMN_PARALLEL (tp > 1) or the

@@ -9,7 +9,7 @@ norm kernel, then a cuBLAS ``addmm``; this kernel does both in one pass over ``u
 Grid: ``(cdiv(H, BLOCK_N), SPLIT_K)``: a norm prologue over the token rows, a main loop
 streaming ``up_w`` tiles against the normalized, rounded token tile, and an epilogue
 adding ``shared`` in fp32 (one rounding). Constexpr forms of the same kernel: ``SPLIT_K``,
-``SCALE_AFTER``, ``SWAP_AB``, ``GEMV``, ``INV_RMS_IN`` / ``PDL`` (prologue launch), row
+``SWAP_AB``, ``GEMV``, ``INV_RMS_IN`` / ``PDL`` (prologue launch), row
 tiles (``M_FIRST``), ``DOT_IN_FP32`` (the interpreter); :func:`pick_launch_config`
 picks the default :class:`LaunchConfig`.
 
@@ -18,12 +18,13 @@ Each form's design and the interpreter's constraints: docs/architecture.md, "Mod
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
 
@@ -38,12 +39,9 @@ __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_
            "check_fused_tail_args"]
 
 #: Largest token count the kernel takes (``BLOCK_M``: T padded to a power of two, >= 16 for a dot).
-#: Tier selection stops earlier: at the implementation's measured limit (16,
-#: ``k3fusion.moe_tail.TRITON_SELECT_MAX_TOKENS``) and ``FusionConfig.fused_tail_max_tokens``.
+#: Tier selection stops earlier: at the implementation's measured limit
+#: (``k3fusion.moe_tail.TRITON_SELECT_MAX_TOKENS``) and ``FusionConfig.fused_tail_max_tokens``.
 MAX_TOKENS = 64
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 @triton.jit
 def _inv_rms(sum_sq, row_mask, L, eps):
@@ -70,7 +68,6 @@ def _moe_tail_kernel(
     s_ptr, s_stride,            # shared [T, H]
     y_ptr, y_stride,            # out [T, H]
     ws_ptr,                     # split-K partials [SPLIT_K, T, H] fp32 (unused if SPLIT_K == 1)
-    sq_ws_ptr,                  # SCALE_AFTER split-K: sums of squares [tiles, SPLIT_K, BLOCK_M]
     lock_ptr,                   # split-K arrival counters [>= m tiles * cdiv(H, BLOCK_N)] int32
     rinv_ptr,                   # INV_RMS_IN: every row's inverse RMS [T] fp32 (else unused)
     T, L, H,
@@ -82,7 +79,6 @@ def _moe_tail_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    SCALE_AFTER: tl.constexpr,
     SWAP_AB: tl.constexpr,      # accumulate out.T = up_w_tile @ h.T (weights as the M side)
     GEMV: tl.constexpr,         # per-token FMAs on CUDA cores instead of a tensor-core dot
     NUM_STAGES: tl.constexpr,   # the main loop's software-pipelining depth
@@ -119,12 +115,11 @@ def _moe_tail_kernel(
     # ---- 1. norm prologue: sum of squares over the full row (all of L, whatever split).
     # Pipelined explicitly: a loop without a dot is not pipelined by default, and every
     # step would then wait a full L2 round trip before the weight stream even starts.
-    # SCALE_AFTER skips it: the sums of squares come from the main loop's own tiles.
     if INV_RMS_IN:
         # Computed once per row by a prologue launch: no program re-reads the rows for it,
         # so split-K can spread the weight stream over every SM without a prologue each.
         inv_rms = tl.load(rinv_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    elif not SCALE_AFTER:
+    else:
         sq = tl.zeros([BLOCK_M, NORM_BLOCK_K], dtype=tl.float32)
         for k0 in tl.range(0, L, NORM_BLOCK_K, num_stages=4):
             ks = k0 + tl.arange(0, NORM_BLOCK_K)
@@ -152,7 +147,6 @@ def _moe_tail_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sq_k = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # SCALE_AFTER only
     # Pipelined explicitly: Triton pipelines a loop with a dot by itself (at the launch's
     # num_stages, the same depth), but not the GEMV form's dot-free loop.
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -160,21 +154,13 @@ def _moe_tail_kernel(
         k_mask = ks < L
         x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        if SCALE_AFTER:
-            # 1/rms is per row, so it can scale the accumulator instead of the input:
-            # the GEMM input is round(x * w), not the spec's round(round(x * r) * w) --
-            # one 16-bit rounding of the GEMM input apart (the tests bound it).
-            x32 = x.to(tl.float32)
-            sq_k += x32 * x32
-            h = x32 * w[None, :]
+        normed = x.to(tl.float32) * inv_rms[:, None]
+        if WEIGHT_IN_FP32:
+            h = normed * w[None, :]
         else:
-            normed = x.to(tl.float32) * inv_rms[:, None]
-            if WEIGHT_IN_FP32:
-                h = normed * w[None, :]
-            else:
-                # The eager graph rounds the normalized row (to the input dtype, unless
-                # norm_dtype says otherwise) before weighting.
-                h = normed.to(NORM_DTYPE).to(tl.float32) * w[None, :]
+            # The eager graph rounds the normalized row (to the input dtype, unless
+            # norm_dtype says otherwise) before weighting.
+            h = normed.to(NORM_DTYPE).to(tl.float32) * w[None, :]
         # The GEMM input the reference hands cuBLAS: h in up_w's dtype.
         a = h.to(up_ptr.dtype.element_ty)
         b = tl.load(up_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
@@ -208,16 +194,11 @@ def _moe_tail_kernel(
     out_mask = row_mask[:, None] & col_mask[None, :]
     # ---- 3. epilogue.
     if SPLIT_K == 1:
-        if SCALE_AFTER:
-            acc = acc * _inv_rms(tl.sum(sq_k, axis=1), row_mask, L, eps)[:, None]
         _store_out(acc, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, out_mask)
     else:
         tile = rows64[:, None] * H + cols[None, :]
         split_stride = SPLIT_STRIDE.to(tl.int64)
         tl.store(ws_ptr + pid_k * split_stride + tile, acc, mask=out_mask)
-        sq_row_ptrs = sq_ws_ptr + (tile_id * SPLIT_K) * BLOCK_M + tl.arange(0, BLOCK_M)
-        if SCALE_AFTER:  # this split's part of every row's sum of squares
-            tl.store(sq_row_ptrs + pid_k * BLOCK_M, tl.sum(sq_k, axis=1))
         if GPU_FENCE:
             fence_gpu()
         tl.debug_barrier()  # every thread has stored (and fenced) before the one arrival
@@ -227,15 +208,10 @@ def _moe_tail_kernel(
                 fence_gpu()
             tl.debug_barrier()
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            total_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # split order: deterministic
                 # .cg: read L2 (where the other SMs' stores are), never a stale L1 line.
                 total += tl.load(ws_ptr + s * split_stride + tile, mask=out_mask, other=0.0,
                                  cache_modifier=".cg")
-                if SCALE_AFTER:
-                    total_sq += tl.load(sq_row_ptrs + s * BLOCK_M, cache_modifier=".cg")
-            if SCALE_AFTER:
-                total = total * _inv_rms(total_sq, row_mask, L, eps)[:, None]
             _store_out(total, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, out_mask)
             tl.atomic_xchg(lock_ptr + tile_id, 0, sem="relaxed", scope="gpu")  # next launch
 
@@ -276,9 +252,6 @@ class LaunchConfig:
     num_stages: int
     split_k: int
     norm_block_k: int
-    #: Scale the accumulator by 1/rms instead of the GEMM input (no norm prologue; the
-    #: GEMM input is round(x * w)); opt-in: measured slower (docs/experiments.md).
-    scale_after: bool = False
     #: Compute ``out.T = up_w_tile @ h.T``: the weight tile is the dot's M side.
     swap_ab: bool = False
     #: Per-token FMAs on CUDA cores instead of a tensor-core dot (``swap_ab`` then False).
@@ -343,7 +316,7 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     Dot form (``--sweep``): 64-column tiles (112 programs) without split-K, ``block_k`` 256,
     4 warps, 4 stages were fastest at T = 1, 8 and 16; ``norm_block_k`` 512 there (8K
     prologue elements: 64 fp32 accumulators per thread at 4 warps). 16-bit weights take
-    the ``swap_ab`` operand order (scale-after and split-K forms were slower at every T).
+    the ``swap_ab`` operand order (split-K forms were slower at every T).
     The numbers: docs/experiments.md, "kernels/moe_tail.py". Wider tiles mean fewer programs, each re-reading the token rows in its prologue
     once for more weight columns, and more weight bytes in flight per program. Below 64
     tiles (small ``H``) split-K fills the SMs. fp32 weights: ``block_k`` 64 (their dot
@@ -395,7 +368,7 @@ def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
 
 
 def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
-                    num_stages=0, split_k=0, norm_block_k=0, scale_after=None,
+                    num_stages=0, split_k=0, norm_block_k=0,
                     swap_ab=None, gemv=None, prenorm=None, block_m=0,
                     m_first=None, pdl=None) -> LaunchConfig:
     _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
@@ -411,9 +384,6 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     if pdl and not prenorm:
         raise ValueError("pdl=True overlaps the prenorm prologue launch with the tail kernel: "
                          "it needs prenorm=True")
-    if prenorm and scale_after:
-        raise ValueError("prenorm=True computes 1/rms in a prologue launch for the spec's "
-                         "normalized tile; scale_after=True has no such tile: ask for one")
     if swap_ab and gemv:
         raise ValueError("swap_ab=True orders a tensor-core dot's operands; gemv=True has no "
                          "dot: ask for one or the other")
@@ -441,7 +411,6 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
                         num_warps=num_warps or auto.num_warps,
                         num_stages=num_stages, split_k=split,
                         norm_block_k=norm_block_k or auto.norm_block_k,
-                        scale_after=auto.scale_after if scale_after is None else scale_after,
                         swap_ab=swap_ab, gemv=auto.gemv, prenorm=bool(prenorm),
                         block_m=block_m, m_first=bool(m_first), pdl=bool(pdl))
 
@@ -453,69 +422,18 @@ def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp
                           norm_dtype=None, max_tokens: int | None = MAX_TOKENS) -> None:
     """Validate a direct kernel call; TypeError/ValueError naming the argument.
 
-    ``routed_latent [T, L]`` and ``shared [T, H]`` (any row strides, last dim contiguous),
-    ``norm_w [L]`` contiguous, ``up_w [H, L]`` (any row stride, last dim contiguous),
-    ``0 <= T <= max_tokens`` (None: any T -- the row-tiled ``block_m`` launches), one device, and the normed latent's dtype
-    (``rms_norm_out_dtype``) equal to ``up_w``'s and ``shared``'s -- the reference's GEMM
-    and add take no mixed dtypes either. Also that the kernel can run on the device
-    (RuntimeError otherwise).
+    The family's rules (``k3fusion.moe_tail_args.check_latent_moe_tail_args`` in its
+    ``direct`` form: 2-D ``[T, L]`` / ``[T, H]`` partials, any row strides, last dims
+    contiguous, one device, one dtype for the normed latent, ``up_w`` and ``shared``), and
+    the kernel's own: ``T <= max_tokens`` (None: any T -- the row-tiled ``block_m``
+    launches) and a device it can run on (RuntimeError otherwise).
     """
-    for name, t in (("routed_latent", routed_latent), ("shared", shared), ("norm_w", norm_w),
-                    ("up_w", up_w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    if not isinstance(weight_in_fp32, bool):
-        raise TypeError(f"weight_in_fp32 must be a bool, got {type(weight_in_fp32).__name__}")
-    for name, t, dims in (("routed_latent", routed_latent, "[T, L]"), ("shared", shared, "[T, H]"),
-                          ("up_w", up_w, "[H, L]")):
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D {dims}, got shape {tuple(t.shape)}")
-    if norm_w.dim() != 1:
-        raise ValueError(f"norm_w must be 1-D [L], got shape {tuple(norm_w.shape)}")
-    tokens, latent = routed_latent.shape
-    hidden = up_w.shape[0]
-    if latent == 0:
-        raise ValueError("routed_latent rows must not be empty (L = 0)")
-    if hidden == 0:
-        raise ValueError("up_w has no rows (H = 0)")
+    check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype,
+                               weight_in_fp32, direct=True)
+    tokens = routed_latent.shape[0]
     if max_tokens is not None and tokens > max_tokens:
         raise ValueError(f"routed_latent has T={tokens} rows; the fused tail kernel takes at "
                          f"most {max_tokens} (more with block_m: row tiles)")
-    if norm_w.shape[0] != latent:
-        raise ValueError(f"norm_w has {norm_w.shape[0]} elements but routed_latent rows are "
-                         f"{latent} wide")
-    if up_w.shape[1] != latent:
-        raise ValueError(f"up_w is {tuple(up_w.shape)} but routed_latent rows are {latent} "
-                         f"wide (up_w must be [H, L={latent}])")
-    if tuple(shared.shape) != (tokens, hidden):
-        raise ValueError(f"shared must be [T={tokens}, H={hidden}], got {tuple(shared.shape)}")
-    for name, t in (("routed_latent", routed_latent), ("shared", shared), ("up_w", up_w)):
-        if t.shape[1] > 1 and t.stride(1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim, got stride {t.stride(1)}")
-    if latent > 1 and norm_w.stride(0) != 1:
-        raise ValueError(f"norm_w must be contiguous, got stride {norm_w.stride(0)}")
-    for name, t in (("routed_latent", routed_latent), ("norm_w", norm_w)):
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
-    from k3fusion.reference import rms_norm_out_dtype
-
-    if norm_dtype is not None and (weight_in_fp32 or norm_dtype not in _DTYPES):
-        raise ValueError(f"norm_dtype must be None or a float dtype with weight_in_fp32=False, "
-                         f"got {norm_dtype} (weight_in_fp32={weight_in_fp32})")
-    normed = rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32, norm_dtype)
-    if not normed == up_w.dtype == shared.dtype:
-        raise TypeError(
-            f"dtypes must agree: rms_norm(routed_latent {routed_latent.dtype}, norm_w "
-            f"{norm_w.dtype}, weight_in_fp32={weight_in_fp32}) gives {normed}, up_w is "
-            f"{up_w.dtype}, shared is {shared.dtype}")
-    for name, t in (("shared", shared), ("norm_w", norm_w), ("up_w", up_w)):
-        if t.device != routed_latent.device:
-            raise ValueError(f"{name} is on {t.device} but routed_latent is on "
-                             f"{routed_latent.device}")
     device = routed_latent.device
     if device.type == "cuda" or (device.type == "cpu" and _kernels_are_interpreted()):
         return
@@ -544,7 +462,6 @@ def latent_moe_tail_fused(
     num_stages: int = 0,
     split_k: int = 0,
     norm_block_k: int = 0,
-    scale_after: bool | None = None,
     swap_ab: bool | None = None,
     gemv: bool | None = None,
     norm_dtype: torch.dtype | None = None,
@@ -557,12 +474,12 @@ def latent_moe_tail_fused(
     launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype.
 
     Inputs as :func:`check_fused_tail_args` says (validated before launch; never
-    modified). Launch options of 0 (``scale_after``, ``swap_ab``, ``gemv``: None) take
+    modified). Launch options of 0 (``swap_ab``, ``gemv``: None) take
     :func:`pick_launch_config`'s choice. ``prenorm``: every row's 1/rms in a prologue
     launch (two launches; ``pdl``: the second as the first's programmatic dependent). ``block_m``: token rows per program, tiling T (any T then, not
     only up to ``MAX_TOKENS``); ``m_first``: row tiles as the fastest grid dimension.
     """
-    for name, flag in (("scale_after", scale_after), ("swap_ab", swap_ab), ("gemv", gemv),
+    for name, flag in (("swap_ab", swap_ab), ("gemv", gemv),
                        ("prenorm", prenorm), ("m_first", m_first), ("pdl", pdl)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
@@ -570,14 +487,10 @@ def latent_moe_tail_fused(
         raise TypeError(f"block_m must be an int, got {type(block_m).__name__}")
     check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32, norm_dtype,
                           max_tokens=None if block_m else MAX_TOKENS)
-    if scale_after and up_w.dtype == torch.float16:
-        # It rounds the *unnormalized* x * w to up_w's dtype: fp16's range (65504) is
-        # not enough for that where the normalized value would fit.
-        raise ValueError("scale_after=True needs bf16 or fp32 weights, got up_w float16")
     tokens, latent = routed_latent.shape
     hidden = up_w.shape[0]
     cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
-                          block_k, num_warps, num_stages, split_k, norm_block_k, scale_after,
+                          block_k, num_warps, num_stages, split_k, norm_block_k,
                           swap_ab, gemv, prenorm, block_m, m_first, pdl)
     out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
@@ -591,12 +504,8 @@ def latent_moe_tail_fused(
         ws = torch.empty((cfg.split_k, tokens, hidden), dtype=torch.float32, device=up_w.device)
         # Every launch leaves the counters at 0 (the last arrival resets its tile's).
         lock = counter_buffer("moe_tail", up_w.device, tiles * m_tiles, torch.int32)
-        sq_ws = ws
-        if cfg.scale_after:
-            sq_ws = torch.empty((m_tiles * tiles, cfg.split_k, block_m), dtype=torch.float32,
-                                device=up_w.device)
     else:
-        ws = lock = sq_ws = out  # never read
+        ws = lock = out  # never read
     rinv = out  # never read
     pdl_on = cfg.pdl and not interpreted  # (inline PTX: the interpreter runs plain prenorm)
     if pdl_on and gdc_wait is None:
@@ -616,7 +525,7 @@ def latent_moe_tail_fused(
         up_w, up_w.stride(0),
         shared, shared.stride(0),
         out, out.stride(0),
-        ws, sq_ws, lock, rinv,
+        ws, lock, rinv,
         tokens, latent, hidden,
         float(eps),
         k_per_split,
@@ -626,7 +535,6 @@ def latent_moe_tail_fused(
         BLOCK_K=cfg.block_k,
         NORM_BLOCK_K=cfg.norm_block_k,
         SPLIT_K=cfg.split_k,
-        SCALE_AFTER=cfg.scale_after,
         SWAP_AB=cfg.swap_ab,
         GEMV=cfg.gemv,
         NUM_STAGES=cfg.num_stages,

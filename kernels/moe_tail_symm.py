@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._fences import fence_system
-from ._launch import cdiv
+from ._launch import TL_DTYPES, cdiv
 
 __all__ = ["MAX_PROGRAMS", "PeerBuffers", "channel_programs", "packed_layout",
            "pick_programs", "one_shot_all_reduce_pair", "reduce_in_rank_order"]
@@ -33,8 +33,6 @@ MAX_PROGRAMS = 64
 
 #: Barrier channels a launch uses (in, out); each holds one slot row per program.
 CHANNELS = 2
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: Byte alignment of the shared segment in a buffer (16: vector loads stay aligned).
 _ALIGN = 16
@@ -232,7 +230,7 @@ def _check_partial(name: str, t, width_name: str) -> None:
         raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [T, {width_name}], got shape {tuple(t.shape)}")
-    if t.dtype not in _DTYPES:
+    if t.dtype not in TL_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
     if t.shape[1] > 1 and t.stride(1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got stride {t.stride(1)}")

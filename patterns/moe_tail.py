@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
+import k3fusion.moe_tail  # noqa: F401  registers torch.ops.k3fusion.latent_moe_tail
+
 from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, erase_unused, external_users,
                   fake_call, is_graph_input, is_op, plan_size_reads, through_row_padding, val)
 from .rms_norm import RMSNormMatch, eps_op_args
@@ -235,8 +237,6 @@ def _plan(site: MoETailSite) -> list:
 
 def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RMSNormMatch], list[str]]:
     """Replace every latent-MoE tail; returns (sites fused, norms still unclaimed, misses)."""
-    import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
-
     by_out = {m.out: m for m in norms}
     claimed: set[Node] = set()
     fused, misses = 0, []

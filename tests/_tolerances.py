@@ -213,8 +213,7 @@ def latent_tail_exact_and_bound(xs: torch.Tensor, ss: torch.Tensor, norm_w: torc
     return s + h @ up.T, bound
 
 
-def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool,
-                   scale_after: bool = False, norm_dtype=None):
+def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool, norm_dtype=None):
     """``(reference, per-element bound)`` for the kernel's output (float64, on the CPU).
 
     Kernel: ``K = rnd(y')``, ``y' = s + P'`` -- one rounding of the fp32 sum of the shared
@@ -249,14 +248,6 @@ def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool,
     tile term is nearly attained, as the dual norm's bound is), 0.66 fp16, 0.17 fp32. A
     missing or doubled shared add, a wrong column, eps, split or weight is off by far
     more (and the formulation is pinned exactly by the selection-matrix test below).
-
-    ``scale_after`` (the kernel scales its accumulator by ``r = 1/rms`` instead of the GEMM
-    input): its effective tile is ``h' = r * rnd(x * w)`` (``rnd`` to the GEMM dtype), so
-    the tile term becomes a bound on ``|h' - h|`` itself: ``r rho ulp(x w)`` (that
-    rounding) ``+ rho ulp(h)`` (the spec's last rounding) ``+ |w| rho_x ulp(x r)`` (the
-    spec's rounding of the normalized row, cast-then-weight only), ``rho`` = 1/2, or 1 for
-    a truncated bf16 cast -- a couple of 16-bit roundings of each GEMM input element,
-    what "one rounding of the GEMM input apart" means.
     """
     # The spec evaluated on the CPU (fp32-accumulated GEMMs; cuBLAS may reduce bf16
     # partial sums in bf16, which this bound does not cover).
@@ -273,17 +264,6 @@ def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool,
     up_abs = up.to(**cpu).abs()
     mag = h.to(**cpu).abs() @ up_abs.T
     tile = (c_h * ulp(h, h_ulp_dtype)) @ up_abs.T
-    if scale_after:
-        def rho(dtype):
-            return 1.0 if truncating and dtype == torch.bfloat16 else 0.5
-
-        x64, w64, h64 = (t.to(**cpu) for t in (x, w, h))
-        r = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
-        d = up.dtype
-        term = r * rho(d) * ulp(x64 * w64, d) + rho(d) * ulp(h64, d)
-        if not weight_in_fp32:
-            term = term + w64.abs() * rho(x.dtype) * ulp(x64 * r, x.dtype)
-        tile = term.nan_to_num(0.0) @ up_abs.T
     accumulation = (2 * x.shape[-1] + 1) * 2.0**-24 * (mag + s.to(**cpu).abs())
     e = 0.5 * ulp(p) + tile + accumulation
     r = 1.0 if truncating and up.dtype == torch.bfloat16 else 0.5

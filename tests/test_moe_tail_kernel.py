@@ -109,7 +109,6 @@ LAUNCH = st.fixed_dictionaries({
     "num_warps": st.sampled_from([0, 2, 4]),
     "num_stages": st.sampled_from([0, 2]),
     "norm_block_k": st.sampled_from([0, 16, 64]),
-    "scale_after": st.sampled_from([None, False, True]),
     "swap_ab": st.sampled_from([None, False, True]),
     "gemv": st.sampled_from([None, False, True]),
 })
@@ -133,10 +132,6 @@ def make_inputs(c: Case, seed: int, device: str = DEVICE):
 
 def run_and_check(c: Case, seed: int, launch_opts: dict | None = None, device: str = DEVICE):
     x, s, w, up = make_inputs(c, seed, device)
-    if (launch_opts or {}).get("scale_after") and up.dtype == torch.float16:
-        with pytest.raises(ValueError, match="scale_after"):
-            launch(x, s, w, c.eps, up, weight_in_fp32=c.weight_in_fp32, **launch_opts)
-        return None
     if (launch_opts or {}).get("swap_ab") and (launch_opts or {}).get("gemv"):
         with pytest.raises(ValueError, match="swap_ab=True.*gemv=True"):
             launch(x, s, w, c.eps, up, weight_in_fp32=c.weight_in_fp32, **launch_opts)
@@ -147,8 +142,7 @@ def run_and_check(c: Case, seed: int, launch_opts: dict | None = None, device: s
         assert torch.equal(a, b), f"{name} was modified"
     assert y.is_contiguous() and y.device == x.device
     ref, bound = tail_tolerance(x, s, w, c.eps, up, c.weight_in_fp32,
-                                truncating=device == "cpu",
-                                scale_after=bool((launch_opts or {}).get("scale_after")))
+                                truncating=device == "cpu")
     assert_within(y, ref, bound, f"{c} {launch_opts}")
     return y
 
@@ -164,30 +158,15 @@ def run_and_check(c: Case, seed: int, launch_opts: dict | None = None, device: s
 @example(c=Case(7, 129, 17, torch.float16, True, False, 1e-5, -6, 1, 1, 3, False),
          opts={"split_k": 5, "block_k": 16}, seed=2)  # fp16 input, fp32 weight: fp32 output
 @example(c=Case(16, 3584 // 28, 96, torch.bfloat16, False, False, 1e-6, 0, 8, 8, 0, False),
-         opts={"split_k": 7, "block_n": 32, "block_k": 16, "scale_after": True}, seed=3)
+         opts={"split_k": 7, "block_n": 32, "block_k": 16}, seed=3)
 @example(c=Case(5, 100, 40, torch.bfloat16, True, False, 1e-5, -6, 0, 0, 0, True),
-         opts={"scale_after": True}, seed=4)
+         opts={}, seed=4)
 @example(c=Case(1, 3584 // 28, 96, torch.bfloat16, False, False, 1e-6, 0, 8, 8, 3, False),
          opts={}, seed=5)  # one bf16 token: the GEMV form by default
 @example(c=Case(7, 129, 17, torch.bfloat16, False, True, 1e-5, 6, 1, 1, 3, True),
          opts={"gemv": True, "split_k": 3, "block_k": 16}, seed=6)  # GEMV, split-K, T = 7
-@example(c=Case(3, 100, 40, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False),
-         opts={"gemv": True, "scale_after": True}, seed=7)  # GEMV + scale_after
 def test_kernel_matches_reference(c, opts, seed):
     run_and_check(c, seed, opts)
-
-
-def test_scale_after_bound_is_needed_and_enough():
-    """The scale-after form differs from the spec's roundings (so the spec's own tile
-    bound is too tight for it somewhere), and its own bound holds."""
-    c = Case(16, 256, 64, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
-    x, s, w, up = make_inputs(c, 7)
-    y = launch(x, s, w, c.eps, up, scale_after=True)
-    y_spec = launch(x, s, w, c.eps, up, scale_after=False)
-    assert not torch.equal(y, y_spec)
-    ref, bound = tail_tolerance(x, s, w, c.eps, up, False, truncating=INTERPRETED,
-                                scale_after=True)
-    assert_within(y, ref, bound, "scale_after")
 
 
 @given(c=cases(tokens=st.sampled_from([1, 3, 16])), seed=st.integers(0, 2**31 - 1))
@@ -275,7 +254,6 @@ def test_row_inv_rms_prologue_matches_reference_norm():
 
 
 @pytest.mark.parametrize("opts, exc, match", [
-    ({"prenorm": True, "scale_after": True}, ValueError, "prenorm=True"),
     ({"block_m": 8}, ValueError, "block_m=8"),
     ({"block_m": 24}, ValueError, "power of two"),
     ({"block_m": True}, TypeError, "block_m must be an int"),
@@ -319,7 +297,7 @@ def test_split_k_is_deterministic_and_leaves_counters_at_zero(gemv):
 def test_launch_config_heuristic():
     cfg = kernel_mod.pick_launch_config(4, 7168, 3584, torch.bfloat16, 132)
     assert (cfg.block_n, cfg.split_k) == (64, 1)  # the H200 sweep's best: 112 column tiles
-    assert cfg.swap_ab and not cfg.scale_after  # measured best operand order for 16-bit
+    assert cfg.swap_ab  # measured best operand order for 16-bit
     assert not kernel_mod.pick_launch_config(4, 7168, 3584, torch.float32, 132).swap_ab
     assert not kernel_mod.pick_launch_config(17, 7168, 3584, torch.bfloat16, 132).swap_ab
     # ... and not where its weight-tile stages would not fit in shared memory
@@ -536,9 +514,8 @@ def test_cuda_k3_sizes(tokens):
     dict(split_k=1, block_n=16), dict(split_k=2, block_n=64), dict(split_k=4, block_n=128),
     dict(split_k=3, block_n=32, block_k=128, num_warps=8, num_stages=3),
     dict(block_n=64, block_k=64, num_warps=2, num_stages=5),
-    # the GEMV form at 4 tokens (its 3-D accumulator), with split-K, with scale-after
-    dict(gemv=True), dict(gemv=True, split_k=3, block_n=16),
-    dict(gemv=True, scale_after=True, num_warps=8),
+    # the GEMV form at 4 tokens (its 3-D accumulator), with split-K, with 8 warps
+    dict(gemv=True), dict(gemv=True, split_k=3, block_n=16), dict(gemv=True, num_warps=8),
 ])
 def test_cuda_launch_configs(opts):
     x, s, w, up = _k3_inputs(4, seed=1)
@@ -704,39 +681,36 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3fusion.kernels.moe_tail import _moe_tail_kernel as k
 names = [p.name for p in k.params]
-for split, after, swap, gemv in ((1, True, False, 0), (7, True, False, 0), (1, False, False, 0),
-                                (4, False, False, 0), (1, False, True, 0), (2, True, True, 0),
-                                (1, False, False, 1), (3, True, False, 1), (1, False, False, 4)):
+for split, swap, gemv in ((1, False, 0), (4, False, 0), (1, True, 0), (2, True, 0),
+                         (1, False, 1), (3, False, 1), (1, False, 4)):
     const = dict(BLOCK_M=gemv or 16, BLOCK_N=32 if gemv else 64, BLOCK_K=64 if gemv == 4 else 256,
-                 NORM_BLOCK_K=512, SPLIT_K=split, SCALE_AFTER=after, SWAP_AB=swap,
+                 NORM_BLOCK_K=512, SPLIT_K=split, SWAP_AB=swap,
                  GEMV=bool(gemv), NUM_STAGES=3 if gemv else 4, WEIGHT_IN_FP32=False,
                  DOT_IN_FP32=False, GPU_FENCE=True, NORM_DTYPE=triton.language.bfloat16,
                  INV_RMS_IN=False, M_FIRST=False, PDL=False)
-    ptrs = {"ws_ptr": "*fp32", "sq_ws_ptr": "*fp32", "lock_ptr": "*i32", "rinv_ptr": "*fp32"}
+    ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32", "rinv_ptr": "*fp32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n == "eps" else "i32" for n in names}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(names.index(n),): v for n, v in const.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-    print(split, after, swap, gemv, "mma" in ptx, ("atom.global" in ptx) == (split > 1))
+    print(split, swap, gemv, "mma" in ptx, ("atom.global" in ptx) == (split > 1))
 """
 
 
 @pytest.mark.slow
 def test_gpu_variants_compile_for_hopper():
     """The GPU-only code (the tensor-core dot in both operand orders, the split-K fences
-    and counters, the scale-after epilogues, the GEMV form) compiles for sm_90 on any
+    and counters, the GEMV form) compiles for sm_90 on any
     machine: the interpreter never builds it. The GEMV form has no tensor-core
     instruction."""
     out = run_compile_script(_PTX_CHECK, "the fused tail kernel")
     lines = out.split("\n")
     assert [x for x in lines if x] == [
-        "1 True False 0 True True", "7 True False 0 True True",
-        "1 False False 0 True True", "4 False False 0 True True",
-        "1 False True 0 True True", "2 True True 0 True True",
-        "1 False False 1 False True", "3 True False 1 False True",
-        "1 False False 4 False True"], out
+        "1 False 0 True True", "4 False 0 True True", "1 True 0 True True",
+        "2 True 0 True True", "1 False 1 False True", "3 False 1 False True",
+        "1 False 4 False True"], out
 
 
 _PTX_CHECK_ISSUE17 = """
@@ -759,14 +733,14 @@ def build(kernel, const, ptrs, warps, stages):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
-ptrs = {"ws_ptr": "*fp32", "sq_ws_ptr": "*fp32", "lock_ptr": "*i32", "rinv_ptr": "*fp32"}
+ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32", "rinv_ptr": "*fp32"}
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, SWAP_AB, M_FIRST, PDL, warps, stages): the probe's
 # prenorm split-K at decode and its row-tiled GEMMs
 for bm, bn, bk, split, swap, mfirst, pdl, nw, ns in (
         (16, 64, 256, 4, True, False, True, 4, 4), (64, 64, 256, 2, True, False, False, 4, 3),
         (128, 128, 64, 1, False, True, True, 8, 4), (128, 256, 64, 1, False, False, False, 8, 3)):
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK_K=512, SPLIT_K=split,
-                 SCALE_AFTER=False, SWAP_AB=swap, GEMV=False, NUM_STAGES=ns,
+                 SWAP_AB=swap, GEMV=False, NUM_STAGES=ns,
                  WEIGHT_IN_FP32=False, DOT_IN_FP32=False, GPU_FENCE=True,
                  NORM_DTYPE=triton.language.bfloat16, INV_RMS_IN=True, M_FIRST=mfirst, PDL=pdl)
     c = build(k, const, ptrs, nw, ns)
@@ -788,8 +762,7 @@ def test_issue17_forms_compile_for_hopper():
         "128 256 True True True", "prologue True"], out
 
 
-@pytest.mark.parametrize("scale_after", [False, True])
-def test_norm_dtype_casts_the_normalized_fp32_latent(scale_after):
+def test_norm_dtype_casts_the_normalized_fp32_latent():
     """``norm_dtype``: an fp32 latent whose normalized row is cast to bf16 (T5-style, or a
     round trip Inductor removed) -- the kernel casts there, as the reference does."""
     g = torch.Generator().manual_seed(9)
@@ -797,9 +770,9 @@ def test_norm_dtype_casts_the_normalized_fp32_latent(scale_after):
     s = torch.randn(5, 40, generator=g).to(DEVICE, torch.bfloat16)
     w = (torch.rand(96, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
     up = (torch.randn(40, 96, generator=g) / 10).to(DEVICE, torch.bfloat16)
-    y = launch(x, s, w, 1e-6, up, norm_dtype=torch.bfloat16, scale_after=scale_after)
+    y = launch(x, s, w, 1e-6, up, norm_dtype=torch.bfloat16)
     ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=INTERPRETED,
-                                scale_after=scale_after, norm_dtype=torch.bfloat16)
+                                norm_dtype=torch.bfloat16)
     assert_within(y, ref, bound, "norm_dtype")
     with pytest.raises(TypeError, match="dtypes must agree"):
         launch(x, s, w, 1e-6, up)  # without it: an fp32 normed latent against a bf16 up_w

@@ -23,7 +23,7 @@ U_BF16 = 2.0**-8
 
 def _tokens():
     from k3fusion.config import FusionConfig
-    from k3fusion.moe_tail_symm import SELECT_MAX_TOKENS
+    from k3fusion.moe_tail.symm_mem import SELECT_MAX_TOKENS
 
     thr = FusionConfig().shared_experts_stream_token_threshold
     return sorted({0, 1, 16, thr, thr + 1, SELECT_MAX_TOKENS, SELECT_MAX_TOKENS + 1, 4096})

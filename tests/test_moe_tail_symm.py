@@ -33,12 +33,13 @@ import torch
 
 from _gloo import run_ranks
 from _ptx import run_compile_script
-from k3fusion import moe_tail, moe_tail_symm, reference
+from k3fusion import moe_tail, reference
 from k3fusion.config import get_config
 from k3fusion.kernels.moe_tail_symm import (PeerBuffers, channel_programs, one_shot_all_reduce_pair,
                                             packed_layout, pick_programs, reduce_in_rank_order)
 from k3fusion.moe_tail import Tier, TierUnavailableError
-from k3fusion.moe_tail_symm import SymmMemUnavailableError
+from k3fusion.moe_tail import symm_mem as moe_tail_symm
+from k3fusion.moe_tail.symm_mem import SymmMemUnavailableError
 
 EPS = 1e-6
 
@@ -372,7 +373,7 @@ def _weights(case):
 def _shared_file_rank(rank, world, group, tmp):
     import torch.distributed as dist
 
-    from k3fusion.moe_tail_symm import _tail_after_reduce
+    from k3fusion.moe_tail.symm_mem import _tail_after_reduce
 
     bufs = [torch.from_file(os.path.join(tmp, f"buf{r}"), shared=True, size=_BUFFER_BYTES,
                             dtype=torch.uint8) for r in range(world)]
@@ -409,7 +410,7 @@ def _shared_file_rank(rank, world, group, tmp):
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_shot_kernel_across_processes(world):
     from k3fusion.kernels.moe_tail_symm import _one_shot_pair_kernel
-    from k3fusion.moe_tail_symm import _tail_after_reduce
+    from k3fusion.moe_tail.symm_mem import _tail_after_reduce
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(_one_shot_pair_kernel, InterpretedFunction):

@@ -73,7 +73,6 @@ SWEEP_WARPS = (4, 8)
 SWEEP_STAGES = (3, 4, 5)
 SWEEP_BLOCK_K = (64, 128, 256, 512)
 SWEEP_NORM_BLOCK_K = (256, 512, 1024, 2048)
-SWEEP_SCALE_AFTER_SPLIT_K = (1, 2, 4, 7, 14)
 
 
 def tail(routed, shared, norm_w, up_w):
@@ -122,7 +121,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 def config_label(cfg) -> str:
     return (f"n{cfg.block_n}_k{cfg.block_k}_p{cfg.norm_block_k}_s{cfg.split_k}"
-            f"_w{cfg.num_warps}_st{cfg.num_stages}" + ("_after" if cfg.scale_after else "")
+            f"_w{cfg.num_warps}_st{cfg.num_stages}"
             + ("_swap" if cfg.swap_ab else "") + ("_gemv" if cfg.gemv else ""))
 
 
@@ -140,8 +139,7 @@ def _sweep(t: int, sets) -> dict:
     def time(cfg: LaunchConfig) -> float:
         opts = dict(block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                    norm_block_k=cfg.norm_block_k, scale_after=cfg.scale_after,
-                    swap_ab=cfg.swap_ab, gemv=cfg.gemv)
+                    norm_block_k=cfg.norm_block_k, swap_ab=cfg.swap_ab, gemv=cfg.gemv)
         fn = lambda r, s, w, u: launch(r, s, w, EPS, u, **opts)  # noqa: E731
         try:
             _check(fn(*sets[0]), ref, f"kernel {config_label(cfg)}")
@@ -159,7 +157,7 @@ def _sweep(t: int, sets) -> dict:
             swap_ab = _resolve_config(t, HIDDEN, LATENT, DTYPE, torch.device(DEVICE),
                                       cfg.block_n, cfg.block_k, cfg.num_warps,
                                       cfg.num_stages, cfg.split_k, cfg.norm_block_k,
-                                      cfg.scale_after, gemv=cfg.gemv).swap_ab
+                                      gemv=cfg.gemv).swap_ab
         cfg = replace(cfg, swap_ab=swap_ab)
         label = config_label(cfg)
         if label not in times:
@@ -184,11 +182,6 @@ def _sweep(t: int, sets) -> dict:
             add(replace(configs[label], norm_block_k=pk))
         if not configs[label].gemv:
             add(configs[label], swap_ab=not configs[label].swap_ab)  # the other operand order
-    # The scale-after form (no norm prologue; its sums of squares split with K), where
-    # split-K can fill the SMs: 112 column tiles x 7 splits = 784 programs ~ 6 waves.
-    for bn, sk in itertools.product(SWEEP_BLOCK_N[:3], SWEEP_SCALE_AFTER_SPLIT_K):
-        add(replace(dot_default, block_n=bn, split_k=sk, num_warps=4, num_stages=4,
-                    scale_after=True))
     add(default)
     ok = {k: v for k, v in times.items() if v == v}
     best = min(ok, key=ok.get) if ok else None

@@ -7,7 +7,7 @@
 One process per GPU, NCCL. For each T every rank draws its own partials (the replicated
 weights from one seed) and, for every tier ``k3fusion.moe_tail`` has at that T (forced:
 ``replicated``, ``allreduce_overlap``, ``column_parallel``) plus the symmetric-memory
-fused tail (``k3fusion.moe_tail_symm``, T <= its ``MAX_TOKENS``):
+fused tail (``k3fusion.moe_tail.symm_mem``, T <= its ``MAX_TOKENS``):
 
 * checks correctness against the exact tail computed in fp64 from every rank's gathered
   partials (max error relative to max |exact|), and that every rank's output is
@@ -109,8 +109,8 @@ def _one_t(tokens: int, args, group, rank: int, world: int, symm: bool) -> dict:
 
     from k3fusion import moe_tail
     from k3fusion.bench.timing import cuda_graph_us, hbm_floor_us
-    from k3fusion.moe_tail_symm import MAX_TOKENS as SYMM_MAX_TOKENS
-    from k3fusion.moe_tail_symm import symm_mem_latent_moe_tail
+    from k3fusion.moe_tail.symm_mem import MAX_TOKENS as SYMM_MAX_TOKENS
+    from k3fusion.moe_tail.symm_mem import symm_mem_latent_moe_tail
 
     sets = _inputs(tokens, args, rank)
     device = sets[0][0].device
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from k3fusion.bench.common import environment, write_results
-    from k3fusion.moe_tail_symm import prepare_symm_mem_tail, unavailable_reason
+    from k3fusion.moe_tail.symm_mem import prepare_symm_mem_tail, unavailable_reason
 
     local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     torch.cuda.set_device(local)

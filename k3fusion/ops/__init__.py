@@ -10,15 +10,25 @@ Every op has
 Arguments are validated here, before any launch, with errors that name the argument.
 
 One module per op family: ``dual_rms_norm``, ``rms_norm``, ``attn_res`` (``attn_res_`` and
-``attn_res``), ``latent_moe_tail``; shared argument checks in ``_args``. Importing this package registers
-every op.
+``attn_res``); shared argument checks in ``_args``. Importing this package registers these
+ops; ``k3fusion::latent_moe_tail`` is registered by ``k3fusion.moe_tail`` (built on these),
+and ``import k3fusion`` registers every op.
 """
 
 from ._args import check_rms_norm_args
 from .attn_res import attn_res, attn_res_, check_attn_res_args
 from .dual_rms_norm import dual_rms_norm
-from .latent_moe_tail import latent_moe_tail, resolve_group
 from .rms_norm import rms_norm, rms_norm_and_copy
 
 __all__ = ["check_rms_norm_args", "dual_rms_norm", "attn_res_", "attn_res", "check_attn_res_args",
            "latent_moe_tail", "resolve_group", "rms_norm", "rms_norm_and_copy"]
+
+
+def __getattr__(name):
+    # The tail op moved up to k3fusion.moe_tail.op (it builds on these ops); its old names here
+    # stay reachable, imported on access since k3fusion.moe_tail imports this package.
+    if name in ("latent_moe_tail", "resolve_group"):
+        from ..moe_tail import op
+
+        return getattr(op, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

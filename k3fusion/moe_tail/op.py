@@ -1,4 +1,13 @@
-"""``k3fusion::latent_moe_tail``: the latent-MoE tail as one op that picks its tier from T."""
+"""``k3fusion::latent_moe_tail``: the latent-MoE tail as one op that picks its tier from T.
+
+What the graph pass (``patterns/moe_tail.py``) inserts for
+``all_reduce(shared) + rms_norm(all_reduce(routed_latent)) @ up_w.T``. The process group
+travels by name (what ``_c10d_functional.all_reduce`` nodes carry), so the op schema has
+no opaque group object; the implementation resolves it and calls the tiers
+(:func:`k3fusion.moe_tail.latent_moe_tail`), which select from the actual T at run time
+(dynamic T). Functional: the inputs are never modified. It lives with the tiers, not in
+``k3fusion.ops``: the ops are the lower layer the tiers build on.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +16,9 @@ from typing import Optional
 import torch
 
 from .. import reference
-from ._args import _check_eps_tensor, _eps_value
-
-# ====================================================================== latent-MoE tail
-#
-# ``latent_moe_tail`` is what the graph pass (``patterns/moe_tail.py``) inserts for
-# ``all_reduce(shared) + rms_norm(all_reduce(routed_latent)) @ up_w.T``. The process group
-# travels by name (what ``_c10d_functional.all_reduce`` nodes carry), so the op schema has
-# no opaque group object; the implementations resolve it and call
-# ``k3fusion.moe_tail.latent_moe_tail``, which selects the tier from the actual T at run
-# time (dynamic T). Functional: the inputs are never modified.
+from ..moe_tail_args import check_latent_moe_tail_args
+from ..ops._args import _check_eps_tensor, _eps_value
+from . import tiers
 
 __all__ = ["latent_moe_tail", "resolve_group"]
 
@@ -38,8 +40,6 @@ def resolve_group(group_name: Optional[str]):
 
 def _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor,
                 norm_dtype=None, weight_in_fp32=False) -> None:
-    from ..moe_tail import check_latent_moe_tail_args
-
     check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype,
                                weight_in_fp32)
     _check_eps_tensor(eps_tensor, "eps_tensor")
@@ -86,35 +86,21 @@ def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False
     return shared.new_empty(shared.shape, dtype=dtype)
 
 
-def _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32,
-                          eps_tensor, norm_dtype=None):
-    from .. import moe_tail
-
+# One implementation for both devices: the tiers pick the CPU or CUDA path themselves.
+@latent_moe_tail.register_kernel(("cpu", "cuda"))
+def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
+      eps_tensor=None, norm_dtype=None):
     _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
                 weight_in_fp32)
     eps = _eps_value(eps, eps_tensor, "eps_tensor")
-    y = moe_tail.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
-                                 resolve_group(group_name), weight_in_fp32=weight_in_fp32,
-                                 norm_dtype=norm_dtype)
+    y = tiers.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
+                              resolve_group(group_name), weight_in_fp32=weight_in_fp32,
+                              norm_dtype=norm_dtype)
     # Same layout as the fake impl promises; a fresh tensor, never an alias of an input.
     y = y.contiguous()
     if y.data_ptr() == shared.data_ptr() and shared.numel():
         y = y.clone()
     return y
-
-
-@latent_moe_tail.register_kernel("cuda")
-def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
-      eps_tensor=None, norm_dtype=None):
-    return _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name,
-                                 weight_in_fp32, eps_tensor, norm_dtype)
-
-
-@latent_moe_tail.register_kernel("cpu")
-def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
-      eps_tensor=None, norm_dtype=None):
-    return _latent_moe_tail_impl(routed_latent, shared, norm_w, eps, up_w, group_name,
-                                 weight_in_fp32, eps_tensor, norm_dtype)
 
 
 _latent_moe_tail_op = latent_moe_tail

@@ -11,7 +11,7 @@ where a registered implementation supports the platform and tp), ``ALLREDUCE_OVE
 so every rank of a group picks the same tier without communicating.
 
 The tiers, the selection rules and their defaults, tracing, :func:`tier_counts`:
-docs/architecture.md, "Module design notes", "k3fusion/moe_tail.py".
+docs/architecture.md, "Module design notes", "k3fusion/moe_tail/tiers.py".
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from typing import Callable, Optional
 
 import torch
 
-from . import reference
-from .config import FusionConfig, get_config
-from .ops import check_rms_norm_args
+from .. import reference
+from ..config import FusionConfig, get_config
+from ..moe_tail_args import check_latent_moe_tail_args
 
 __all__ = [
     "Tier", "TierUnavailableError", "TailFusionImpl", "register_tail_fusion",
     "unregister_tail_fusion", "tail_fusion_impls", "tier_unavailable_reason",
     "available_tiers", "select_tier", "latent_moe_tail", "run_latent_moe_tail",
-    "check_latent_moe_tail_args", "tier_counts", "reset_tier_counts", "tp_size_and_rank",
+    "tier_counts", "reset_tier_counts", "tp_size_and_rank", "TRITON_SELECT_MAX_TOKENS",
 ]
 
 log = logging.getLogger("k3fusion")
@@ -289,8 +289,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 def _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype):
     """The unfused tiers' ``rms_norm(all_reduce(routed))``. On CUDA the norm is
     ``k3fusion::rms_norm``: one Triton launch, where the reference's eager sequence is
-    about eight kernels (twice default Inductor's time for the tail at T = 17-64;
-    docs/experiments.md, "kernels/rms_norm.py"); it agrees with the reference within the fp32 sum's order.
+    about eight kernels (docs/experiments.md, "kernels/rms_norm.py"); it agrees with the
+    reference within the fp32 sum's order.
     Under torch.compile (Inductor fuses the norm itself) and on CPU: the reference's ops,
     bit for bit."""
     x = reference.all_reduce(routed, group)
@@ -408,51 +408,6 @@ _IMPLS = {
 # ---------------------------------------------------------------------- entry points
 
 
-def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w,
-                               norm_dtype: torch.dtype | None = None,
-                               weight_in_fp32: bool = False) -> None:
-    """Validate a tail call; TypeError/ValueError naming the argument.
-
-    ``routed_latent [..., L]`` and ``shared [..., H]`` with the same leading dims,
-    ``norm_w [L]``, ``up_w [H, L]``, one device, contiguous last dims, and one dtype for
-    the normed latent, ``up_w`` and ``shared`` (the column-parallel tier adds the GEMM
-    into ``shared`` in place, so no promotion may happen there).
-    """
-    check_rms_norm_args(routed_latent, norm_w, eps, x_name="routed_latent", w_name="norm_w")
-    for name, t in (("shared", shared), ("up_w", up_w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.device != routed_latent.device:
-            raise ValueError(f"{name} is on {t.device} but routed_latent is on {routed_latent.device}")
-    if up_w.dim() != 2:
-        raise ValueError(f"up_w must be 2-D [H, L], got shape {tuple(up_w.shape)}")
-    latent, hidden = routed_latent.shape[-1], up_w.shape[0]
-    if up_w.shape[1] != latent:
-        raise ValueError(f"up_w is {tuple(up_w.shape)} but routed_latent rows are {latent} wide "
-                         f"(up_w must be [H, L={latent}])")
-    if shared.dim() < 1 or shared.shape[-1] != hidden:
-        raise ValueError(f"shared must be [..., H={hidden}] (up_w's rows), got {tuple(shared.shape)}")
-    if hidden == 0:
-        raise ValueError("up_w has no rows (H = 0)")
-    if tuple(shared.shape[:-1]) != tuple(routed_latent.shape[:-1]):
-        raise ValueError(f"shared leading dims {tuple(shared.shape[:-1])} differ from "
-                         f"routed_latent leading dims {tuple(routed_latent.shape[:-1])}")
-    if shared.stride(-1) != 1 and hidden > 1:
-        raise ValueError(f"shared must be contiguous in its last dim, got stride {shared.stride(-1)}")
-    if up_w.stride(-1) != 1 and latent > 1:  # a Linear weight is; every tier may assume it
-        raise ValueError(f"up_w must be contiguous in its last dim, got stride {up_w.stride(-1)}")
-    if norm_dtype is not None and norm_dtype not in (torch.bfloat16, torch.float16,
-                                                      torch.float32):
-        raise TypeError(f"norm_dtype must be None or a float dtype, got {norm_dtype}")
-    normed = reference.rms_norm_out_dtype(routed_latent.dtype, norm_w.dtype, weight_in_fp32,
-                                          norm_dtype)
-    if not normed == up_w.dtype == shared.dtype:
-        raise TypeError(
-            f"dtypes must agree: rms_norm(routed_latent {routed_latent.dtype}, norm_w "
-            f"{norm_w.dtype}, weight_in_fp32={weight_in_fp32}) gives {normed}, up_w is "
-            f"{up_w.dtype}, shared is {shared.dtype}")
-
-
 def run_latent_moe_tail(
     routed_latent: torch.Tensor,
     shared: torch.Tensor,
@@ -470,9 +425,6 @@ def run_latent_moe_tail(
     """:func:`latent_moe_tail`, also returning the tier that ran."""
     check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype,
                                weight_in_fp32)
-    if norm_dtype is not None and weight_in_fp32:
-        raise ValueError("norm_dtype applies to the cast-then-weight norm only "
-                         "(weight_in_fp32=False)")
     latent, hidden = routed_latent.shape[-1], shared.shape[-1]
     lead = tuple(shared.shape[:-1])
     routed2 = routed_latent.reshape(-1, latent)
@@ -553,6 +505,7 @@ def _triton_supports(tokens: int, hidden: int, tp: int, device: torch.device) ->
 
 def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype=None):
     # tp == 1 (supports() said so): a one-rank group's all-reduces are identities.
+    # Imported here, not at module import: the kernel is decorated when first needed.
     from k3fusion.kernels import latent_moe_tail_fused as launch
 
     return launch(routed, shared, norm_w, eps, up_w, weight_in_fp32=weight_in_fp32,
