@@ -320,7 +320,10 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     The numbers: docs/experiments.md, "kernels/moe_tail.py". Wider tiles mean fewer programs, each re-reading the token rows in its prologue
     once for more weight columns, and more weight bytes in flight per program. Below 64
     tiles (small ``H``) split-K fills the SMs. fp32 weights: ``block_k`` 64 (their dot
-    runs on FMA units, not tensor cores), 3 stages.
+    runs on FMA units, not tensor cores), 3 stages. Up to :data:`PDL_MAX_BLOCK_M` token
+    rows (16-bit weights, no split-K): every row's 1/rms in a prologue launch and the tail
+    kernel launched as its programmatic dependent (``prenorm``, ``pdl``), where
+    :func:`pdl_available`.
     """
     two_byte = dtype in (torch.bfloat16, torch.float16)
     if gemv is None:
@@ -343,10 +346,27 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     if gemv:
         return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3,
                             split_k=split_k, norm_block_k=norm_block_k, gemv=True)
+    # 1/rms from a prologue launch, the tail kernel its programmatic dependent: the second
+    # launch's start hides behind the first (_resolve_config drops it where PDL is absent).
+    pdl = two_byte and block_m <= PDL_MAX_BLOCK_M and split_k == 1
     return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4,
                         num_stages=4 if two_byte else 3, split_k=split_k,
                         norm_block_k=norm_block_k,
-                        swap_ab=two_byte and block_m == 16)
+                        swap_ab=two_byte and block_m == 16, prenorm=pdl, pdl=pdl)
+
+
+#: Dot-form launches of up to this many token rows take the PDL prologue form by default
+#: (docs/benchmarks.md, "Latent-MoE tail vs cuBLAS (issue 17)").
+PDL_MAX_BLOCK_M = 16
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether launches on ``device`` run as programmatic dependents: sm_90+ with a Triton
+    that has ``gdc_wait``; on CPU the interpreter runs the PDL form as plain ``prenorm``."""
+    if device.type == "cpu":
+        return True
+    return (device.type == "cuda" and gdc_wait is not None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 #: Most bytes of weight-tile pipeline stages for which the automatic choice swaps the dot's
@@ -407,6 +427,11 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
         # (wgmma reads its M side from there): where that would not fit, do not swap.
         swap_ab = (auto.swap_ab
                    and block_n * block_k * dtype.itemsize * num_stages <= SWAP_AB_SMEM_BYTES)
+    if prenorm is None and pdl is None and not block_m:
+        # Fully automatic: the default's PDL prologue form where PDL runs (without it the
+        # prologue is only one launch more), the kernel's own norm prologue elsewhere.
+        prenorm = pdl = (auto.pdl and split == auto.split_k and block_n == auto.block_n
+                         and pdl_available(device))
     return LaunchConfig(block_n=block_n, block_k=block_k,
                         num_warps=num_warps or auto.num_warps,
                         num_stages=num_stages, split_k=split,

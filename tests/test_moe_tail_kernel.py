@@ -318,6 +318,34 @@ def test_launch_config_heuristic():
     assert kernel_mod.pick_launch_config(64, 7168, 3584, torch.bfloat16).norm_block_k == 128
 
 
+def test_launch_config_takes_the_pdl_prologue_form_up_to_16_rows(monkeypatch):
+    """Issue 17: from 2 to 16 tokens (16-bit weights, no split-K) the default is the
+    prologue launch + programmatic dependent; one token stays GEMV, 17 the plain dot."""
+    pick = kernel_mod.pick_launch_config
+    for t in (2, 8, 16):
+        cfg = pick(t, 7168, 3584, torch.bfloat16, 132)
+        assert cfg.prenorm and cfg.pdl and cfg.swap_ab and cfg.split_k == 1, (t, cfg)
+    for cfg in (pick(1, 7168, 3584, torch.bfloat16, 132),      # GEMV
+                pick(17, 7168, 3584, torch.bfloat16, 132),     # 32 token rows
+                pick(4, 7168, 3584, torch.float32, 132),       # fp32 weights
+                pick(4, 512, 3584, torch.bfloat16, 132)):      # split-K (8 tiles)
+        assert not (cfg.prenorm or cfg.pdl), cfg
+    resolve = kernel_mod._resolve_config
+    cpu = torch.device("cpu")
+    auto = resolve(4, 7168, 3584, torch.bfloat16, cpu)
+    assert auto.prenorm and auto.pdl  # the interpreter runs it as plain prenorm
+    # anything asked for about the form or the grid: as asked, no PDL unless asked
+    for opts in ({"prenorm": False}, {"prenorm": True}, {"split_k": 2}, {"block_n": 32},
+                 {"block_m": 16}):
+        cfg = resolve(4, 7168, 3584, torch.bfloat16, cpu, **opts)
+        assert not cfg.pdl and cfg.prenorm == bool(opts.get("prenorm")), (opts, cfg)
+    assert resolve(4, 7168, 3584, torch.bfloat16, cpu, prenorm=True, pdl=True).pdl
+    # where PDL does not run (before sm_90): the kernel's own norm prologue, one launch
+    monkeypatch.setattr(kernel_mod, "pdl_available", lambda device: False)
+    cfg = resolve(4, 7168, 3584, torch.bfloat16, cpu)
+    assert not (cfg.prenorm or cfg.pdl)
+
+
 def test_launch_config_takes_the_gemv_form_for_one_16_bit_token():
     pick = kernel_mod.pick_launch_config
     one = pick(1, 7168, 3584, torch.bfloat16, 132)
