@@ -47,7 +47,7 @@ def _bytes(t: int) -> int:
 
 def run(tokens=TOKENS, sweep: bool = False) -> dict:
     import k3fusion
-    from k3fusion.kernels.dual_rms_norm import dual_rms_norm as launch
+    from k3fusion.kernels.qkv_rmsnorm import dual_rms_norm as launch
 
     def fused_op(q_c, q_w, kv, kv_w):
         return torch.ops.k3fusion.dual_rms_norm(q_c, q_w, EPS, kv[:, :KV_LORA], kv_w, EPS)

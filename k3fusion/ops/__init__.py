@@ -9,14 +9,14 @@ Every op has
 
 Arguments are validated here, before any launch, with errors that name the argument.
 
-One module per op family: ``dual_rms_norm``, ``rms_norm``, ``attn_res`` (``attn_res_`` and
-``attn_res``), ``latent_moe_tail``; shared argument checks in ``_args``. Importing this package registers
-every op.
+One module per op family, named after its fusion: ``qkv_rmsnorm`` (the op ``dual_rms_norm``),
+``rms_norm``, ``attn_res`` (``attn_res_`` and ``attn_res``), ``latent_moe_tail``; shared
+argument checks in ``_args``. Importing this package registers every op.
 """
 
 from ._args import check_rms_norm_args
 from .attn_res import attn_res, attn_res_, check_attn_res_args
-from .dual_rms_norm import dual_rms_norm
+from .qkv_rmsnorm import dual_rms_norm
 from .latent_moe_tail import latent_moe_tail, resolve_group
 from .rms_norm import rms_norm, rms_norm_and_copy
 
