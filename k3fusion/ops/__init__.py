@@ -3,9 +3,10 @@
 Every op has
 
 * a fake (meta) implementation, so it traces under torch.compile with dynamic shapes;
-* a CUDA implementation that launches the Triton kernel;
-* a CPU implementation in plain torch (``k3fusion.reference``), or the Triton kernel in
-  Triton's interpreter when ``TRITON_INTERPRET=1`` (how the kernels are tested on CPU).
+* a CPU and CUDA implementation (one registration for both where the bodies agree): the
+  Triton kernel on CUDA; on CPU the kernel in Triton's interpreter when
+  ``TRITON_INTERPRET=1`` (how the kernels are tested on CPU), else plain torch
+  (``k3fusion.reference``).
 
 Arguments are validated here, before any launch, with errors that name the argument.
 

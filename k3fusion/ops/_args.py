@@ -1,4 +1,4 @@
-"""Argument checks and row helpers the ops share (errors name the argument)."""
+"""Argument checks and helpers the ops share: errors name the argument; which path runs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import torch
 
 from .. import reference
+from ..kernels._launch import interpreter_enabled
 
 __all__ = ["check_rms_norm_args"]
 
@@ -46,6 +47,12 @@ def check_rms_norm_args(x: torch.Tensor, w: torch.Tensor, eps: float, *, x_name:
         raise ValueError(f"{w_name} must be contiguous, got stride {w.stride(0)}")
     if w.device != x.device:
         raise ValueError(f"{w_name} is on {w.device} but {x_name} is on {x.device}")
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    """Whether an op on ``t``'s device runs the Triton kernel: always on CUDA; on CPU in
+    Triton's interpreter (``TRITON_INTERPRET=1``, read per call), else ``k3fusion.reference``."""
+    return t.device.type == "cuda" or interpreter_enabled()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
