@@ -3,14 +3,13 @@ graph pass inserts): the Block AttnRes step in one launch."""
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from .. import kernels, reference
-from ._args import (_check_eps_tensor, _eps_value, _new_norm_output, _rows, _use_kernel,
-                    check_rms_norm_args)
+from ._args import (_check_eps, _check_eps_tensor, _eps_value, _new_norm_output, _rows,
+                    _use_kernel, check_rms_norm_args)
 
 # ====================================================================== AttnRes
 #
@@ -20,13 +19,6 @@ from ._args import (_check_eps_tensor, _eps_value, _new_norm_output, _rows, _use
 # its inputs and returns the updated prefix as a new tensor instead.
 
 __all__ = ["attn_res_", "attn_res", "check_attn_res_args"]
-
-
-def _check_eps(eps: float, name: str) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"{name} must be finite and >= 0, got {eps}")
 
 
 def _check_int(value, name: str) -> None:

@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from .. import kernels, reference
-from ._args import _NORM_DTYPES, _new_norm_output, _rows, _use_kernel, check_rms_norm_args
+from ..kernels._launch import FLOAT_DTYPES
+from ._args import _new_norm_output, _rows, _use_kernel, check_rms_norm_args
 
 __all__ = ["rms_norm", "rms_norm_and_copy"]
 
@@ -16,7 +17,7 @@ __all__ = ["rms_norm", "rms_norm_and_copy"]
 def _check(x, w, eps, weight_in_fp32, norm_dtype) -> None:
     check_rms_norm_args(x, w, eps)
     if norm_dtype is not None:
-        if norm_dtype not in _NORM_DTYPES:
+        if norm_dtype not in FLOAT_DTYPES:
             raise TypeError(f"norm_dtype must be float32, bfloat16 or float16, got {norm_dtype}")
         if weight_in_fp32:
             raise ValueError("norm_dtype applies to the cast-then-weight form only "
