@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
+import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the op this pass inserts)
 from ._fx import (VIEW_OPS, NoMatch, apply_size_reads, depends_on, erase_unused, fake_call,
                   hoist_before, is_op, matmul_operands, plan_size_reads, row_padded)
 from .rms_norm import RMSNormMatch, eps_op_args
@@ -125,8 +126,6 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
 
 def fuse_qkv_rmsnorm(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[tuple[RMSNormMatch, str]]]:
     """Replace every q/kv pair among ``norms``; returns (pairs fused, norms left and why)."""
-    import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
-
     rounded = [(m, "fp32 input with a dropped 16-bit round trip (x_round): the pair kernel "
                    "reads the model dtype") for m in norms if m.x_round is not None]
     pairing = pair_qkv_norms(graph, [m for m in norms if m.x_round is None])
