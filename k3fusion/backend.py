@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._inductor import config as inductor_config
+from torch._inductor import list_mode_options
 
 from .pass_manager import K3FusionPass, compose_with
 
@@ -21,8 +23,8 @@ def k3fusion_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | No
 
     ``mode`` and ``options`` mean what they mean for ``backend="inductor"``.
     """
-    from torch._inductor import config as inductor_config
-    from torch._inductor import list_mode_options
+    # Here, not at the top: importing compile_fx is slow (``import k3fusion``'s startup)
+    # and only a compile needs it.
     from torch._inductor.compile_fx import compile_fx
 
     if kwargs:
@@ -52,8 +54,6 @@ def install() -> None:
     replaces the composition (torch's config holds one value): set yours first, or set
     ``k3fusion.pass_manager.compose_with(yours)`` to keep both.
     """
-    from torch._inductor import config as inductor_config
-
     current = inductor_config.post_grad_custom_post_pass
     ours = K3FusionPass()
     composed = compose_with(current, ours)
@@ -91,8 +91,6 @@ def _without(current, previous, installed, ours, snapshot):
 def uninstall() -> None:
     """Undo :func:`install` (no-op when not installed): restores what was there before,
     and leaves a pass set or added since in place (only k3fusion's pass goes)."""
-    from torch._inductor import config as inductor_config
-
     if _previous:
         previous, installed, ours, snapshot = _previous.pop()
         inductor_config.post_grad_custom_post_pass = _without(

@@ -12,13 +12,22 @@ Progress goes to stderr, one line per stage (``--quiet`` turns it off).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 import torch
+
+import k3fusion
+from k3fusion.bench.timing import cuda_graph_us
+from k3fusion.counters import FUSIONS
+from k3fusion.explain import main_explain
+from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
+from k3fusion.models.kimi_k3 import ATTN_RES_BANKS, NORM_STYLES, count_latent_moe_layers
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Max |compiled - eager| / max|eager| a correct compile stays under: a few roundings
@@ -73,8 +82,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    from k3fusion.models.kimi_k3 import ATTN_RES_BANKS, NORM_STYLES
-
     prog = _prog()
     p = _Parser(prog=prog, description=_DESCRIPTION,
                 epilog=f"{prog} bench [--out DIR] [--only NAMES] runs the per-op and "
@@ -129,11 +136,6 @@ def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import k3fusion
-    from k3fusion.counters import FUSIONS
-    from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
-    from k3fusion.models.kimi_k3 import count_latent_moe_layers
-
     progress = _Progress(getattr(args, "quiet", False))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _DTYPES[args.dtype]
@@ -163,8 +165,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         timings = None
         if device.type == "cuda":
-            from k3fusion.bench.timing import cuda_graph_us
-
             progress("timing eager, inductor and k3fusion under CUDA-graph replay")
             timings = {name: cuda_graph_us(fn, [(ids,)], calls_per_graph=1) / 1e3
                        for name, fn in (("eager", model), ("inductor", default), ("k3fusion", fused))}
@@ -251,9 +251,6 @@ def bench(argv: list[str]) -> int:
     an exception) is reported and the rest still run; the exit status is non-zero if any
     failed. A benchmark module that is not there (yet) is skipped with a note.
     """
-    import importlib
-    import traceback
-
     args = _parse_bench(argv)
     if not torch.cuda.is_available():
         print(f"{_prog()} bench needs a CUDA GPU (none is visible here); "
@@ -290,7 +287,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return bench(argv[1:])
     if argv[:1] == ["explain"]:
-        from k3fusion.explain import main_explain
         return main_explain(argv[1:])
     args = _parse(argv)
     report = run(args)

@@ -8,11 +8,19 @@ this turns those lines, for one compile, into a report a model author can act on
 
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 from dataclasses import dataclass, field
 
 import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+
+from .config import get_config, set_config
+from .counters import match_counts, reset_match_counts
+from .models import KimiK3Config, KimiK3ForCausalLM
+from .pass_manager import K3FusionPass
 
 __all__ = ["Candidate", "Explanation", "explain", "main_explain"]
 
@@ -78,13 +86,7 @@ def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False
     """Compile ``model`` with ``backend="k3fusion"`` on ``example_inputs`` (under
     ``torch.no_grad()``, no compile cache), then print and return what was fused and why
     each other candidate was not. ``verbose`` also lists rsqrt ops that are no RMSNorm."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    import k3fusion
-    from k3fusion.pass_manager import K3FusionPass
-
-    saved = k3fusion.get_config()
+    saved = get_config()
     log = logging.getLogger("k3fusion")
     handler, level = _Collect(), log.level
     traces: dict[str, str] = {}
@@ -107,8 +109,8 @@ def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     K3FusionPass.__call__ = recording
-    k3fusion.set_config(debug=True)
-    k3fusion.reset_match_counts()
+    set_config(debug=True)
+    reset_match_counts()
     try:
         torch._dynamo.reset()
         with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
@@ -118,11 +120,11 @@ def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False
         K3FusionPass.__call__ = original
         log.removeHandler(handler)
         log.setLevel(level)
-        k3fusion.set_config(saved)
+        set_config(saved)
         torch._dynamo.reset()
     if not verbose:
         candidates = [c for c in candidates if not c.kind.startswith("rsqrt")]
-    result = Explanation(dict(k3fusion.match_counts()), candidates)
+    result = Explanation(dict(match_counts()), candidates)
     if not quiet:
         print(result)
     return result
@@ -131,10 +133,6 @@ def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False
 def main_explain(argv=None) -> int:
     """``python -m k3fusion explain [--dynamic] [--verbose] [--no-attn-res] [--latent-moe]``:
     explain the built-in tiny Kimi-K3 model (what ``python -m k3fusion`` compiles)."""
-    import argparse
-
-    from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
-
     p = argparse.ArgumentParser(prog="python -m k3fusion explain")
     p.add_argument("--dynamic", action="store_true")
     p.add_argument("--verbose", action="store_true", help="also list rsqrt ops that are no RMSNorm")

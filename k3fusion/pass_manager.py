@@ -19,8 +19,13 @@ from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
+from . import patterns
 from .config import FusionConfig, get_config
 from .counters import record_matches
+from .patterns.attn_res import FUSION_NAME as ATTN_RES, HANDOFF_NAME, fuse_attn_res
+from .patterns.moe_tail import FUSION_NAME as MOE_TAIL, fuse_moe_tail
+from .patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm
+from .patterns.rms_norm import find_rms_norms
 
 __all__ = ["K3FusionPass", "ComposedPass", "compose_with"]
 
@@ -30,11 +35,8 @@ log = logging.getLogger("k3fusion")
 @functools.lru_cache(maxsize=None)
 def _source_digest() -> str:
     """Hash of every source file whose change changes what the pass does."""
-    import k3fusion
-    import k3fusion.patterns as patterns
-
     files = sorted(Path(patterns.__file__).parent.glob("*.py"))
-    root = Path(k3fusion.__file__).parent
+    root = Path(__file__).parent
     files += [root / name
               for name in ("pass_manager.py", "reference.py", "config.py", "counters.py")]
     files += sorted((root / "ops").glob("*.py"))
@@ -59,11 +61,6 @@ class K3FusionPass(CustomGraphPass):
         return self._config if self._config is not None else get_config()
 
     def __call__(self, graph: Graph) -> None:
-        from k3fusion.patterns.attn_res import FUSION_NAME as ATTN_RES, HANDOFF_NAME, fuse_attn_res
-        from k3fusion.patterns.moe_tail import FUSION_NAME as MOE_TAIL, fuse_moe_tail
-        from k3fusion.patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm
-        from k3fusion.patterns.rms_norm import find_rms_norms
-
         config = self.config
         norms, rejected = find_rms_norms(graph)
         recognized = len(norms)

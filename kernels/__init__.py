@@ -7,7 +7,7 @@ validates its own arguments and returns a new output.
 """
 
 from .attn_res import attn_res
-from .dual_rms_norm import dual_rms_norm
+from .qkv_rmsnorm import dual_rms_norm
 from .moe_tail import latent_moe_tail_fused
 from .rms_norm import rms_norm
 

@@ -13,7 +13,7 @@ prims = torch.ops.prims
 
 __all__ = [
     "NoMatch", "aten", "prims", "is_op", "strip_casts", "matmul_operands", "val", "dtype_of", "operands", "only_user",
-    "is_graph_input", "external_users", "hoist_before", "fake_call",
+    "is_graph_input", "depends_on", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
     "row_padded", "through_row_padding", "slice_args", "keepdim_of",
     "LAYOUT_OPS", "view_layout",
@@ -160,6 +160,24 @@ def only_user(node: Node) -> Node:
 def is_graph_input(node: object) -> bool:
     """Parameters reach post-grad graphs as placeholders (or get_attr when frozen)."""
     return isinstance(node, Node) and node.op in ("placeholder", "get_attr")
+
+
+def depends_on(node: Node, targets: Iterable[Node], order: dict[Node, int] | None = None) -> bool:
+    """Whether ``node`` reads any of ``targets``, directly or through its inputs. With
+    ``order`` (each node's graph position), inputs placed before the first target are not
+    walked: in a topologically ordered graph they cannot read it."""
+    targets = set(targets)
+    first = min(order[t] for t in targets) if order is not None else None
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen or (first is not None and order[n] < first):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 # Reads of a tensor's size (dynamic shapes): they need the size, not the value, so a

@@ -21,13 +21,13 @@ docs/architecture.md, "Module design notes", "patterns/attn_res.py".
 
 from __future__ import annotations
 
-import importlib
 import operator
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, Node
 
+import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the ops this pass inserts)
 from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, LAYOUT_OPS, view_layout, dtype_of, erase_unused,
                   external_users, fake_call, hoist_before, is_graph_input, is_op, keepdim_of, slice_args,
                   matmul_operands, only_user, operands, plan_size_reads, prims, strip_casts,
@@ -766,8 +766,6 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]
                   ) -> tuple[int, int, list[RMSNormMatch], list[str]]:
     """Replace every AttnRes site; returns (sites fused, layer hand-offs among their
     folded deltas -- see :func:`count_handoffs` --, norms still unclaimed, misses)."""
-    importlib.import_module("k3fusion.ops")  # registers torch.ops.k3fusion.*
-
     claimed: set[Node] = set()
     # Not (yet) norms whose fp32 input lost its 16-bit round trip (RMSNormMatch.x_round).
     by_input = {m.x: m for m in norms if m.x_round is None}

@@ -23,8 +23,9 @@ from torch.fx import Graph, Node
 
 import k3fusion.moe_tail  # noqa: F401  registers torch.ops.k3fusion.latent_moe_tail
 
-from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, erase_unused, external_users,
-                  fake_call, is_graph_input, is_op, plan_size_reads, through_row_padding, val)
+from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, depends_on, erase_unused,
+                  external_users, fake_call, is_graph_input, is_op, plan_size_reads,
+                  through_row_padding, val)
 from .rms_norm import RMSNormMatch, eps_op_args
 
 __all__ = ["FUSION_NAME", "MoETailSite", "match_moe_tail", "fuse_moe_tail"]
@@ -103,19 +104,6 @@ def _is_projection(node: object) -> bool:
     return is_op(node, aten.addmm.default) and val(node.args[0]).dim() == 1
 
 
-def _depends_on(node: Node, target: Node) -> bool:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n is target:
-            return True
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
-
-
 def match_moe_tail(anchor: Node, by_out: dict[Node, RMSNormMatch]) -> MoETailSite:
     """Describe the tail computed by ``anchor`` (an add or addmm); raise NoMatch if none."""
     if is_op(anchor, aten.addmm.default):
@@ -173,7 +161,7 @@ def _site(anchor, partner, mm, chain, norm_chain, wt, norm: RMSNormMatch) -> MoE
     if partner is _SHARED_MM:  # tp = 1 only: the product is the shared projection itself
         if _reduced(norm.x) is not None:
             raise NoMatch("one operand is all-reduced and the other is not")
-        if _depends_on(anchor.args[1], norm.out) or _depends_on(anchor.args[2], norm.out):
+        if depends_on(anchor.args[1], [norm.out]) or depends_on(anchor.args[2], [norm.out]):
             raise NoMatch("tp=1: the add partner is computed from the normed latent")
         shared = (anchor.args[1], anchor.args[2])
         leaks = external_users(nodes, anchor)
@@ -196,7 +184,7 @@ def _site(anchor, partner, mm, chain, norm_chain, wt, norm: RMSNormMatch) -> MoE
         # tp = 1: only a projection output is a shared-expert partial (see module docstring).
         if not _is_projection(partner):
             raise NoMatch("tp=1: the add partner is not a projection output (a residual add)")
-        if _depends_on(partner, norm.out):
+        if depends_on(partner, [norm.out]):
             raise NoMatch("tp=1: the add partner is computed from the normed latent")
         routed, shared, group = norm.x, partner, None
     if tuple(val(anchor).shape) != tuple(val(shared).shape):

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from ._fx import (VIEW_OPS, NoMatch, apply_size_reads, erase_unused, fake_call, hoist_before,
-                  is_op, matmul_operands, plan_size_reads, row_padded)
+import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the op this pass inserts)
+from ._fx import (VIEW_OPS, NoMatch, apply_size_reads, depends_on, erase_unused, fake_call,
+                  hoist_before, is_op, matmul_operands, plan_size_reads, row_padded)
 from .rms_norm import RMSNormMatch, eps_op_args
 
 __all__ = ["FUSION_NAME", "REGION_INPUTS", "pairing_source", "pair_qkv_norms", "fuse_qkv_rmsnorm"]
@@ -61,21 +62,6 @@ def pairing_source(x: Node) -> object:
     return base
 
 
-def _depends_on(node: Node, targets: set[Node], stop_before: dict[Node, int]) -> bool:
-    """Whether ``node`` reads any of ``targets``, walking inputs no earlier than them."""
-    first = min(stop_before[t] for t in targets)
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in targets:
-            return True
-        if n in seen or stop_before[n] < first:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
-
-
 @dataclass
 class QKVPairing:
     pairs: list[tuple[RMSNormMatch, RMSNormMatch]]
@@ -96,7 +82,7 @@ def pair_qkv_norms(graph: Graph, norms: list[RMSNormMatch]) -> QKVPairing:
         group.sort(key=lambda m: order[m.out])
         while len(group) >= 2:
             first, second = group[0], group[1]
-            if _depends_on(second.x, set(first.nodes), order):
+            if depends_on(second.x, first.nodes, order):
                 unpaired.append((first, f"{second.out.name} depends on it"))
                 group.pop(0)
                 continue
@@ -140,8 +126,6 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
 
 def fuse_qkv_rmsnorm(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[tuple[RMSNormMatch, str]]]:
     """Replace every q/kv pair among ``norms``; returns (pairs fused, norms left and why)."""
-    import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.*
-
     rounded = [(m, "fp32 input with a dropped 16-bit round trip (x_round): the pair kernel "
                    "reads the model dtype") for m in norms if m.x_round is not None]
     pairing = pair_qkv_norms(graph, [m for m in norms if m.x_round is None])

@@ -25,6 +25,7 @@ from numbers import Real
 import torch
 from torch.fx import Graph, Node
 
+from k3fusion.kernels._launch import FLOAT_DTYPES
 from k3fusion.reference import rms_norm_out_dtype
 
 from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op, only_user,
@@ -33,7 +34,6 @@ from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op
 __all__ = ["RMSNormMatch", "RMSNormRejection", "find_rms_norms", "match_rms_norm",
            "inverse_rms", "upcast_input", "parameter_weight", "same_input", "eps_op_args"]
 
-_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ADD = (aten.add.Tensor, aten.add.Scalar)
 _MUL = (aten.mul.Tensor,)
 _CAST = (prims.convert_element_type.default,)
@@ -152,7 +152,7 @@ def parameter_weight(node: object, *, allow_upcast: bool) -> tuple[Node, list[No
         what = node.target if isinstance(node, Node) and node.op == "call_function" else node
         raise NoMatch(f"weight is computed in the graph ({what}), not a parameter")
     w = val(node)
-    if w.dim() != 1 or w.dtype not in _NORM_DTYPES:
+    if w.dim() != 1 or w.dtype not in FLOAT_DTYPES:
         raise NoMatch(f"weight has shape {tuple(w.shape)} and dtype {w.dtype}")
     return node, []
 

@@ -1,8 +1,19 @@
-"""Test setup: Triton interpreter on CPU-only machines, hypothesis profiles, ``cuda`` marker."""
+"""Test setup: Triton interpreter on CPU-only machines, hypothesis profiles, ``cuda`` marker.
+
+Tests import their helpers (``graph_utils``, ``_tolerances``, ...) as top-level modules:
+``tests/`` is on ``sys.path`` (pytest's default import mode puts it there; this file keeps
+it there under any mode, and spawned ranks inherit it).
+"""
 
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 # Triton reads TRITON_INTERPRET when a kernel is *decorated*, i.e. when k3fusion's kernel
 # modules are imported, so this must run before anything imports k3fusion.

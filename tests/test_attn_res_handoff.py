@@ -35,12 +35,8 @@ from k3fusion.eager import patch_model
 from k3fusion.kernels._launch import interpreter_enabled
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from ._kernel_paths import cpu_path
-    from .graph_utils import CaptureBackend, fresh_state, nodes_of
-except ImportError:
-    from _kernel_paths import cpu_path
-    from graph_utils import CaptureBackend, fresh_state, nodes_of
+from _kernel_paths import cpu_path
+from graph_utils import CaptureBackend, fresh_state, nodes_of
 
 _FIXTURES = (fresh_state,)  # used by name (usefixtures)
 pytestmark = [

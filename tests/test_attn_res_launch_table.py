@@ -22,12 +22,8 @@ from k3fusion.kernels.attn_res import (
     TILE_MAX_PER_THREAD, LaunchShape, parse_shape, pick_launch_shape, table_shape, tile_rows,
 )
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import fresh_state  # noqa: F401
-    from .test_attn_res_kernel import _K3, run_and_check
-except ImportError:
-    from graph_utils import fresh_state  # noqa: F401
-    from test_attn_res_kernel import _K3, run_and_check
+from graph_utils import fresh_state  # noqa: F401
+from test_attn_res_kernel import _K3, run_and_check
 
 MOD = importlib.import_module("k3fusion.kernels.attn_res")  # the module, not the launcher
 SWEEP_JSON = Path(__file__).resolve().parents[1] / "docs" / "attn_res_decode_sweep.json"

@@ -17,10 +17,7 @@ from torch import nn
 
 import k3fusion
 
-try:
-    from .graph_utils import fresh_state  # noqa: F401
-except ImportError:
-    from graph_utils import fresh_state  # noqa: F401
+from graph_utils import fresh_state  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("fresh_state")]
 

@@ -21,10 +21,7 @@ from torch import nn
 
 import k3fusion
 
-try:
-    from .graph_utils import CaptureBackend, count_op, fresh_state  # noqa: F401
-except ImportError:
-    from graph_utils import CaptureBackend, count_op, fresh_state  # noqa: F401
+from graph_utils import CaptureBackend, count_op, fresh_state  # noqa: F401
 
 ATTN_RES = torch.ops.k3fusion.attn_res.default
 H = 16

@@ -40,12 +40,8 @@ from torch import nn
 import k3fusion
 from k3fusion.kernels._launch import interpreter_enabled
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import (CaptureBackend, compile_capture, count_op, fresh_state,  # noqa: F401
-                              graph_code, nodes_of)
-except ImportError:
-    from graph_utils import (CaptureBackend, compile_capture, count_op, fresh_state,  # noqa: F401
-                             graph_code, nodes_of)
+from graph_utils import (CaptureBackend, compile_capture, count_op, fresh_state,  # noqa: F401
+                         graph_code, nodes_of)
 
 pytestmark = [pytest.mark.usefixtures("fresh_state")]
 

@@ -13,12 +13,8 @@ import torch
 
 import k3fusion
 
-try:
-    from .attn_res_spellings import SPELLINGS, AttnResModel
-    from .graph_utils import CaptureBackend, count_op, fresh_state  # noqa: F401
-except ImportError:
-    from attn_res_spellings import SPELLINGS, AttnResModel
-    from graph_utils import CaptureBackend, count_op, fresh_state  # noqa: F401
+from attn_res_spellings import SPELLINGS, AttnResModel
+from graph_utils import CaptureBackend, count_op, fresh_state  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("fresh_state")]
 

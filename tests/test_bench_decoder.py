@@ -17,10 +17,7 @@ import torch
 import k3fusion
 from k3fusion.bench import decoder
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import fresh_state
-except ImportError:
-    from graph_utils import fresh_state
+from graph_utils import fresh_state
 
 _FIXTURES = (fresh_state,)  # used by name (usefixtures)
 

@@ -31,10 +31,7 @@ import k3fusion
 from k3fusion.kernels._launch import interpreter_enabled
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import count_op, fresh_state, nodes_of  # noqa: F401
-except ImportError:
-    from graph_utils import count_op, fresh_state, nodes_of  # noqa: F401
+from graph_utils import count_op, fresh_state, nodes_of  # noqa: F401
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),

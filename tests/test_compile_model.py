@@ -21,14 +21,9 @@ from torch._dynamo.utils import counters
 import k3fusion
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import (DUAL, CaptureBackend, assert_no_unfused_norm,  # noqa: F401
-                              count_op, fresh_state, graph_code, norms_by_width, op_histogram,
-                              rsqrt_widths)
-except ImportError:
-    from graph_utils import (DUAL, CaptureBackend, assert_no_unfused_norm,  # noqa: F401
-                             count_op, fresh_state, graph_code, norms_by_width, op_histogram,
-                             rsqrt_widths)
+from graph_utils import (DUAL, CaptureBackend, assert_no_unfused_norm,  # noqa: F401
+                         count_op, fresh_state, graph_code, norms_by_width, op_histogram,
+                         rsqrt_widths)
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),

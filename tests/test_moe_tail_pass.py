@@ -25,12 +25,8 @@ from k3fusion import reference
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 from k3fusion.models.kimi_k3 import count_latent_moe_layers
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import (CaptureBackend, compile_capture, count_op, fresh_state,  # noqa: F401
-                              no_compile_caches, op_histogram)
-except ImportError:
-    from graph_utils import (CaptureBackend, compile_capture, count_op, fresh_state,  # noqa: F401
-                             no_compile_caches, op_histogram)
+from graph_utils import (CaptureBackend, compile_capture, count_op, fresh_state,  # noqa: F401
+                         no_compile_caches, op_histogram)
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),

@@ -30,16 +30,10 @@ from k3fusion.models.kimi_k3 import NORM_STYLES, KimiK3RMSNorm
 from k3fusion.pass_manager import ComposedPass, K3FusionPass, compose_with
 from k3fusion.patterns.rms_norm import find_rms_norms
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import (DUAL, RSQRT, CaptureBackend, assert_close_rounding,
-                              assert_no_unfused_norm,
-                              compile_capture, count_op, fresh_state, graph_code,  # noqa: F401
-                              nodes_of, rsqrt_widths)
-except ImportError:
-    from graph_utils import (DUAL, RSQRT, CaptureBackend, assert_close_rounding,
-                             assert_no_unfused_norm,
-                             compile_capture, count_op, fresh_state, graph_code,  # noqa: F401
-                             nodes_of, rsqrt_widths)
+from graph_utils import (DUAL, RSQRT, CaptureBackend, assert_close_rounding,
+                         assert_no_unfused_norm,
+                         compile_capture, count_op, fresh_state, graph_code,  # noqa: F401
+                         nodes_of, rsqrt_widths)
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),

@@ -19,12 +19,8 @@ from torch import nn
 
 from _norm_spellings import NORM_MUTATIONS, WRITTEN, Norm, applicable
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import (check_mutated_site, expected_from,  # noqa: F401
-                              fresh_state)
-except ImportError:
-    from graph_utils import (check_mutated_site, expected_from,  # noqa: F401
-                             fresh_state)
+from graph_utils import (check_mutated_site, expected_from,  # noqa: F401
+                         fresh_state)
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),

@@ -2,7 +2,7 @@
 op (what the latent-MoE tail's unfused tiers call on CUDA), against
 ``k3fusion.reference.rms_norm``.
 
-Same property test and tolerances as the dual kernel's (``test_dual_rms_norm_kernel``, whose
+Same property test and tolerances as the dual kernel's (``test_qkv_rmsnorm_kernel``, whose
 input strategy it shares), plus a drawn ``norm_dtype``: interpreted on CPU, compiled on a
 CUDA machine, and the tail's real width (L = 3584) on the GPU.
 """
@@ -18,7 +18,7 @@ from _tolerances import assert_matches_reference, assert_on_input_grid
 from k3fusion import reference
 from k3fusion.kernels.rms_norm import pick_launch_shape
 from k3fusion.kernels.rms_norm import rms_norm as launch
-from test_dual_rms_norm_kernel import DEVICE, INTERPRETED, Member, make_inputs, members
+from test_qkv_rmsnorm_kernel import DEVICE, INTERPRETED, Member, make_inputs, members
 
 NORM_DTYPES = [None, torch.float32, torch.bfloat16, torch.float16]
 

@@ -21,10 +21,7 @@ from torch import fx
 from k3fusion import reference
 from k3fusion.patterns.rms_norm import find_rms_norms
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .graph_utils import RSQRT, compile_capture, count_op, fresh_state  # noqa: F401
-except ImportError:
-    from graph_utils import RSQRT, compile_capture, count_op, fresh_state  # noqa: F401
+from graph_utils import RSQRT, compile_capture, count_op, fresh_state  # noqa: F401
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),

@@ -37,6 +37,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import k3fusion
+from k3fusion import reference
+from k3fusion.kernels.attn_res import PREFILL_TOKENS, pick_launch_shape
+from k3fusion.kernels.attn_res import attn_res as launch
+
 from .common import (base_parser, compile_uncached, environment, hf_rms_norm, plot_series,
                      write_results)
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
@@ -139,8 +144,6 @@ def check_fused(args) -> None:
     """The fused op on copies of ``args``: against the spec (``k3fusion.reference``) tightly,
     against the eager chain loosely; the new prefix and the bank bit for bit (one fp32
     add, one rounding on every side)."""
-    from k3fusion import reference
-
     eager_args, fused_args, spec_args = (_clone(args) for _ in range(3))
     prefix_e, out_e = attn_res_chain(*eager_args)
     prefix_f, out_f = fused_op(*fused_args)
@@ -156,10 +159,6 @@ def check_fused(args) -> None:
 
 
 def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
-    import k3fusion
-    from k3fusion.kernels.attn_res import PREFILL_TOKENS, pick_launch_shape
-    from k3fusion.kernels.attn_res import attn_res as launch
-
     compiled = dict(COMPILED_VARIANTS if compiled is None else compiled)
     rows = []
     for t in tokens:

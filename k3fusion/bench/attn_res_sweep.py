@@ -43,10 +43,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from k3fusion import reference
+from k3fusion.kernels.attn_res import attn_res as launch
+from k3fusion.kernels.attn_res import pick_launch_shape
+
+from .common import environment, hf_rms_norm
+from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
 HIDDENS = (2048, 4096, 7168)
 NUM_BLOCKS = tuple(range(9))
@@ -101,8 +116,6 @@ def label(shape) -> str:
 
 def previous_default(T: int, H: int, nb: int) -> str:
     """Label of the shape the rule before the launch table picks (``use_table=False``)."""
-    from k3fusion.kernels.attn_res import pick_launch_shape
-
     return label(pick_launch_shape(T, H, nb, use_table=False))
 
 
@@ -118,8 +131,6 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
     (``pick_launch_shape``: the launch table), the second the previous default (its rule,
     ``use_table=False``) where it differs. ``chosen_only``: those two and the public
     kernel's form (:func:`is_public_form`) only."""
-    from k3fusion.kernels.attn_res import pick_launch_shape
-
     out: dict[str, dict] = {}
 
     block_h, sources = _pow2(H), _pow2(nb + 1)
@@ -180,8 +191,6 @@ def all_candidates(hiddens, num_blocks, tokens, chosen_only: bool = False
 
 def make_inputs(T: int, H: int, device, seed: int = 0):
     """``(prefix, delta, bank, norm_w, proj_w [1, H], out_w)``, bf16, random (never zeros)."""
-    import torch
-
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = torch.bfloat16
 
@@ -199,8 +208,6 @@ def step_bytes(T: int, H: int, nb: int) -> int:
 
 
 def launch_step(args, nb: int, out, kw: dict) -> None:
-    from k3fusion.kernels.attn_res import attn_res as launch
-
     prefix, delta, bank, norm_w, proj_w, out_w = args
     launch(prefix, bank, nb, norm_w, proj_w[0], EPS, out, delta=delta, prefix_out=prefix,
            block_write_idx=nb, out_norm_w=out_w, out_eps=EPS, **kw)
@@ -209,19 +216,12 @@ def launch_step(args, nb: int, out, kw: dict) -> None:
 def launch_mix(args, nb: int, mix, kw: dict) -> None:
     """The candidate without delta, block write and norm: its rounded mix (the check's
     second launch; another compiled variant)."""
-    from k3fusion.kernels.attn_res import attn_res as launch
-
     prefix, _, bank, norm_w, proj_w, _ = args
     launch(prefix, bank, nb, norm_w, proj_w[0], EPS, mix, **kw)
 
 
 def chain(prefix, delta, bank, norm_w, proj_w, out_w, nb: int):
     """The step as a model writes it (``bench.attn_res.attn_res_chain`` at ``nb`` blocks)."""
-    import torch
-    import torch.nn.functional as F
-
-    from .common import hf_rms_norm
-
     prefix = prefix + delta
     bank[:, nb] = prefix
     sources = torch.cat([bank[:, :nb], prefix.unsqueeze(1)], 1)
@@ -233,15 +233,11 @@ def chain(prefix, delta, bank, norm_w, proj_w, out_w, nb: int):
 
 def compiled_chain(nb: int):
     """Default Inductor of :func:`chain` at ``nb`` blocks (fresh Dynamo state)."""
-    import torch
-
     torch._dynamo.reset()
     return torch.compile(lambda *a: chain(*a, nb=nb))
 
 
 def mark_tokens_dynamic(args) -> None:
-    import torch
-
     if args[0].shape[0] >= 2:  # a size-1 dim cannot be dynamic (0/1 specialization)
         for t in args[:3]:
             torch._dynamo.mark_dynamic(t, 0)
@@ -252,8 +248,6 @@ def mark_tokens_dynamic(args) -> None:
 
 def reference_step(args, nb: int):
     """``(new prefix, bank, out)`` of ``k3fusion.reference.attn_res`` on clones of ``args``."""
-    from k3fusion import reference
-
     prefix, delta, bank, norm_w, proj_w, out_w = [a.clone() for a in args]
     out = reference.attn_res(prefix, bank, nb, norm_w, proj_w[0], EPS, delta, nb, out_w, EPS)
     return prefix, bank, out
@@ -271,10 +265,6 @@ def check(args, nb: int, kw: dict, ref, *, interpreted: bool) -> dict:
        cast-then-weight bound (2; 3 truncating) + 1 for the second launch being another
        compiled variant (as the tests allow the split kernel).
     """
-    import torch
-
-    from k3fusion import reference
-
     a = [x.clone() for x in args]
     prefix, _, bank, norm_w, proj_w, out_w = a
     out = torch.full_like(prefix, float("nan"))
@@ -304,8 +294,6 @@ def mix_atol(prefix, blocks, nb: int, norm_w, proj_w):
     """The kernel tests' ``mix_atol``: how far two fp32 evaluations of the unrounded mix
     may drift apart, per element (``u * M * (6 max_s A_s + 2 S + 4)``; the derivation is
     in tests/test_attn_res_kernel.py)."""
-    import torch
-
     src = torch.cat([blocks[:, :nb], prefix.unsqueeze(1)], dim=1).double()
     g = norm_w.double() * proj_w.double()
     inv_rms = torch.rsqrt(src.pow(2).mean(-1) + EPS)
@@ -318,8 +306,6 @@ def mix_atol(prefix, blocks, nb: int, norm_w, proj_w):
 def _max_ulps(actual, expected, atol=0.0) -> float:
     """max over elements of ``max(0, |a - e| - atol) / ulp_bf16(e)`` (inf on NaN; ``atol``
     a number or a tensor of ``expected``'s shape)."""
-    import torch
-
     a, e = actual.double(), expected.double()
     if a.isnan().any() or e.isnan().any():
         return float("inf")
@@ -333,9 +319,6 @@ def _max_ulps(actual, expected, atol=0.0) -> float:
 
 
 def _bytes_only_kernel():
-    import triton
-    import triton.language as tl
-
     @triton.jit(do_not_specialize=["num_blocks", "write_idx"])
     def bytes_only(prefix_ptr, delta_ptr, blocks_ptr, tok_stride, blk_stride, out_ptr,
                    num_blocks, write_idx, H, CHUNK: tl.constexpr, S_PAD: tl.constexpr):
@@ -378,15 +361,11 @@ def bytes_only(args, nb: int, out, chunk: int, num_warps: int) -> None:
 
 
 def _worker_init() -> None:
-    import torch._inductor.config as inductor_config
-
     inductor_config.compile_threads = 1  # the pool is the parallelism
 
 
 def _precompile(task):
     """Fill the on-disk caches for one ``(what, H, nb)``; returns (task, seconds, errors)."""
-    import torch
-
     what, H, nb, payload, device = task
     start, errors = time.perf_counter(), {}
     if what == "kernels":
@@ -421,8 +400,6 @@ def precompile(hiddens, num_blocks, tokens, inductor: bool, jobs: int,
                inductor_blocks=None) -> dict:
     """Compile every candidate (and Inductor's graphs) once, in ``jobs`` spawned worker
     processes (0: in this process), so that the timed loop only loads cached binaries."""
-    import multiprocessing as mp
-
     union = all_candidates(hiddens, num_blocks, tokens, chosen_only)
     # Inductor first: its compiles are the long ones.
     tasks = [("inductor", H, nb, inductor_order(tokens), device) for H in hiddens
@@ -438,7 +415,6 @@ def precompile(hiddens, num_blocks, tokens, inductor: bool, jobs: int,
         # A pool that reports a dead worker (BrokenProcessPool) instead of hanging; past
         # the timeout its workers are stopped (they must not share the GPU with timing):
         # whatever is left compiles in this process, inside the sweep.
-        from concurrent.futures import ProcessPoolExecutor, wait
 
         pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"),
                                    initializer=_worker_init)
@@ -472,11 +448,6 @@ def inductor_order(tokens) -> list[int]:
 
 def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: Path,
         budget_s: float, jobs: int, chosen_only: bool = False, inductor_blocks=None) -> dict:
-    import torch
-
-    from .common import environment
-    from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
-
     t0 = time.perf_counter()
     device = "cpu" if dry_run else "cuda"
     result = {"bench": "attn_res_sweep", "hiddens": list(hiddens),
@@ -485,7 +456,6 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
               "points": [],
               "precompile_errors": {}}
     if dry_run:
-        import triton
         result.update(date=time.strftime("%Y-%m-%d"), gpu="cpu (interpreter)",
                       torch=torch.__version__, triton=triton.__version__)
     else:
@@ -662,8 +632,6 @@ def selection_table(result: dict) -> str:
 def selection_check(result: dict) -> list[dict]:
     """Per point of a saved sweep: what ``pick_launch_shape`` chooses now, its measured us
     (None where the sweep did not time that shape), the best's and the previous default's."""
-    from k3fusion.kernels.attn_res import pick_launch_shape
-
     rows = []
     for p in result["points"]:
         chosen = label(pick_launch_shape(p["T"], p["H"], p["nb"]))
@@ -679,7 +647,7 @@ def selection_check(result: dict) -> list[dict]:
 def heatmap(result: dict, path: Path) -> None:
     """PNG of default Inductor's time over the chosen shape's (:func:`selection_check`) per
     (H, nb, T): one panel per width, block counts down, token counts across."""
-    import matplotlib
+    import matplotlib  # optional (the bench extra): only a heat map needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -781,8 +749,6 @@ def main(argv=None) -> int:
                              "--dry-run)")
         sizes = DRY
     else:
-        import torch
-
         if not torch.cuda.is_available():
             raise SystemExit("this benchmark needs a CUDA GPU (or --dry-run)")
         sizes = (QUICK if args.quick else CHOSEN if args.chosen_only

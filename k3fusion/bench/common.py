@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+import triton
 
 __all__ = ["hf_rms_norm", "compile_uncached", "environment", "base_parser", "write_results",
            "plot_series"]
@@ -27,9 +30,6 @@ def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def compile_uncached(fn: Callable, backend: str) -> Callable:
     """``torch.compile(fn, backend=backend)``, compiled with the graph caches off: a cache
     hit would skip the k3fusion pass (no fusion, no match count)."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
     torch._dynamo.reset()
     compiled = torch.compile(lambda *args: fn(*args), backend=backend, dynamic=False)
 
@@ -41,8 +41,6 @@ def compile_uncached(fn: Callable, backend: str) -> Callable:
 
 
 def environment() -> dict:
-    import triton
-
     return {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
@@ -75,7 +73,7 @@ def write_results(out: Path, name: str, result: dict, markdown: str,
 
 def plot_series(result: dict, series: list[tuple[str, str]], title: str, path: Path) -> None:
     """Log-log plot of microseconds against T, one line per ``(row key, label)``."""
-    import matplotlib
+    import matplotlib  # optional (the bench extra): only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

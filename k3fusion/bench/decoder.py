@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import inspect
 import io
 import math
@@ -81,6 +82,19 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+import torch.profiler
+import triton
+from torch._dynamo.utils import counters
+from torch._inductor import utils
+
+import k3fusion
+from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
+from k3fusion.models.kimi_k3 import count_attn_res_sites, count_latent_moe_layers, count_mla_layers
+
+from .common import environment, write_results
+from .timing import cuda_graph_us
 
 __all__ = ["stack_config", "block_size_for", "build_model", "stack_inputs", "weight_bytes",
            "expected_sites", "check_equivalence", "equivalence_failures", "run", "markdown",
@@ -119,8 +133,6 @@ def stack_config(layers: int = LAYERS, width: str = "k3", rank_of: int = 1, **ov
     """The benchmarked :class:`KimiK3Config`: ``width="k3"`` (the K3 preset) or ``"tiny"``
     (the CPU preset, same switches), AttnRes and latent MoE on; ``overrides`` win; then
     ``rank_of`` > 1 cuts it to one rank of that many (:func:`rank_view`)."""
-    from k3fusion.models import KimiK3Config
-
     fields = dict(num_layers=layers, attn_res=True, attn_res_block_size=block_size_for(layers),
                   latent_moe=True, dtype=torch.bfloat16)
     if width == "k3":
@@ -154,8 +166,6 @@ def rank_view(config, n: int):
 def build_model(config, seed: int, device: torch.device | str):
     """``KimiK3ForCausalLM(config)`` initialized on ``device`` from ``seed`` (the global RNG
     of that device, forked: the caller's RNG state is left as it was), in eval mode."""
-    from k3fusion.models import KimiK3ForCausalLM
-
     device = torch.device(device)
     if device.type == "cuda":
         devices = [torch.cuda.current_device() if device.index is None else device.index]
@@ -169,8 +179,6 @@ def build_model(config, seed: int, device: torch.device | str):
 def weight_bytes(config) -> int:
     """Bytes of the stack's weights (embedding, layers, final AttnRes and norm), counted
     on the meta device (nothing is allocated)."""
-    from k3fusion.models import KimiK3ForCausalLM
-
     with torch.device("meta"):
         model = KimiK3ForCausalLM(config)
     return sum(t.numel() * t.element_size()
@@ -180,9 +188,6 @@ def weight_bytes(config) -> int:
 def expected_sites(model) -> dict[str, int]:
     """Sites of each fusion in the stack: a q/kv norm pair per MLA layer, 2 AttnRes sites
     per layer + the final one, a MoE tail per latent-MoE layer."""
-    from k3fusion.models.kimi_k3 import (count_attn_res_sites, count_latent_moe_layers,
-                                         count_mla_layers)
-
     return {"qkv_rmsnorm": count_mla_layers(model), "attn_res": count_attn_res_sites(model),
             "moe_tail": count_latent_moe_layers(model)}
 
@@ -287,10 +292,6 @@ def _cold(cache_root: str):
     """FX graph and AOT autograd caches off (a hit would skip the k3fusion pass and count
     no match), and a fresh Inductor / Triton cache directory under ``cache_root`` (kept
     until the run ends: compiled code may still load from it)."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-    from torch._inductor import utils
-
     fresh = getattr(utils, "fresh_cache", None) or getattr(utils, "fresh_inductor_cache", None)
     with contextlib.ExitStack() as stack:
         stack.enter_context(inductor_config.patch(fx_graph_cache=False))
@@ -304,8 +305,6 @@ def _cold(cache_root: str):
 
 def _first_call(fn: Callable, ids: torch.Tensor, cache_root: str) -> tuple[float, bool]:
     """Wall seconds of ``fn(ids)`` (synchronized), cold caches; and whether it compiled."""
-    from torch._dynamo.utils import counters
-
     before = counters["stats"]["unique_graphs"]
     with _cold(cache_root):
         start = time.perf_counter()
@@ -360,19 +359,16 @@ def kernel_profile(fn: Callable, ids: torch.Tensor, steps: int = PROFILE_STEPS) 
     """Device-kernel time per step of ``fn(ids)`` (torch.profiler, ``steps`` calls without a
     graph, after one warm call): ``kernel_us`` in all, ``own_us`` in k3fusion's kernels
     (:data:`OWN_KERNELS`), ``kernels`` launched per step, and the ten largest by time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     fn(ids)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn(ids)
         torch.cuda.synchronize()
     by_name: dict[str, float] = {}
     count = 0
     for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
         count += 1
@@ -405,13 +401,7 @@ def amdahl(row: dict) -> dict:
 
 def _environment(device: torch.device) -> dict:
     if device.type == "cuda":
-        from .common import environment
-
         return environment()
-    import datetime
-
-    import triton
-
     return {"date": datetime.date.today().isoformat(), "gpu": f"none ({device.type})",
             "torch": torch.__version__, "triton": triton.__version__, "cuda": None}
 
@@ -438,15 +428,11 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
     kernel-time profile of each compiled variant per decode shape (``profiler(fn, ids) ->
     dict``, default :func:`kernel_profile`) and its Amdahl bound (:func:`amdahl`).
     """
-    import k3fusion
-
     device = torch.device(device)
     config = stack_config(layers) if config is None else config
     config = rank_view(config, rank_of)
     backends = dict(BACKENDS if backends is None else backends)
     if timer is None:
-        from .timing import cuda_graph_us
-
         def timer(fn, arg_sets, calls_per_graph):
             return cuda_graph_us(fn, arg_sets, calls_per_graph=calls_per_graph)
 
@@ -647,7 +633,7 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Three panels: decode and prefill us per step (log-log), compile seconds."""
-    import matplotlib
+    import matplotlib  # optional (the bench extra): only the plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -741,7 +727,6 @@ def main(argv=None) -> int:
     args = _parse(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    from .common import write_results
 
     result = run(args.layers, args.tokens, args.prefill, args.seeds, args.static,
                  rank_of=args.rank_of, profile=args.profile)

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+import k3fusion
+from k3fusion.kernels.qkv_rmsnorm import dual_rms_norm as launch
+
 from .common import (base_parser, compile_uncached, environment, hf_rms_norm, plot_series,
                      write_results)
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
@@ -46,9 +49,6 @@ def _bytes(t: int) -> int:
 
 
 def run(tokens=TOKENS, sweep: bool = False) -> dict:
-    import k3fusion
-    from k3fusion.kernels.dual_rms_norm import dual_rms_norm as launch
-
     def fused_op(q_c, q_w, kv, kv_w):
         return torch.ops.k3fusion.dual_rms_norm(q_c, q_w, EPS, kv[:, :KV_LORA], kv_w, EPS)
 

@@ -3,21 +3,22 @@
 Every op has
 
 * a fake (meta) implementation, so it traces under torch.compile with dynamic shapes;
-* a CUDA implementation that launches the Triton kernel;
-* a CPU implementation in plain torch (``k3fusion.reference``), or the Triton kernel in
-  Triton's interpreter when ``TRITON_INTERPRET=1`` (how the kernels are tested on CPU).
+* a CPU and CUDA implementation (one registration for both where the bodies agree): the
+  Triton kernel on CUDA; on CPU the kernel in Triton's interpreter when
+  ``TRITON_INTERPRET=1`` (how the kernels are tested on CPU), else plain torch
+  (``k3fusion.reference``).
 
 Arguments are validated here, before any launch, with errors that name the argument.
 
-One module per op family: ``dual_rms_norm``, ``rms_norm``, ``attn_res`` (``attn_res_`` and
-``attn_res``); shared argument checks in ``_args``. Importing this package registers these
-ops; ``k3fusion::latent_moe_tail`` is registered by ``k3fusion.moe_tail`` (built on these),
-and ``import k3fusion`` registers every op.
+One module per op family, named after its fusion: ``qkv_rmsnorm`` (the op ``dual_rms_norm``),
+``rms_norm``, ``attn_res`` (``attn_res_`` and ``attn_res``); shared argument checks in
+``_args``. Importing this package registers these ops; ``k3fusion::latent_moe_tail`` is
+registered by ``k3fusion.moe_tail`` (built on these), and ``import k3fusion`` registers every op.
 """
 
 from ._args import check_rms_norm_args
 from .attn_res import attn_res, attn_res_, check_attn_res_args
-from .dual_rms_norm import dual_rms_norm
+from .qkv_rmsnorm import dual_rms_norm
 from .rms_norm import rms_norm, rms_norm_and_copy
 
 __all__ = ["check_rms_norm_args", "dual_rms_norm", "attn_res_", "attn_res", "check_attn_res_args",

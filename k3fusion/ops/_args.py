@@ -1,4 +1,4 @@
-"""Argument checks and row helpers the ops share (errors name the argument)."""
+"""Argument checks and helpers the ops share: errors name the argument; which path runs."""
 
 from __future__ import annotations
 
@@ -7,10 +7,16 @@ import math
 import torch
 
 from .. import reference
+from ..kernels._launch import FLOAT_DTYPES, interpreter_enabled
 
 __all__ = ["check_rms_norm_args"]
 
-_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+def _check_eps(eps: float, name: str) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {eps}")
 
 
 def check_rms_norm_args(x: torch.Tensor, w: torch.Tensor, eps: float, *, x_name: str = "x",
@@ -20,17 +26,14 @@ def check_rms_norm_args(x: torch.Tensor, w: torch.Tensor, eps: float, *, x_name:
         raise TypeError(f"{x_name} must be a Tensor, got {type(x).__name__}")
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{w_name} must be a Tensor, got {type(w).__name__}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"{eps_name} must be a float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"{eps_name} must be finite and >= 0, got {eps}")
+    _check_eps(eps, eps_name)
     if x.dim() < 1:
         raise ValueError(f"{x_name} must have at least 1 dim ([..., hidden]), got a 0-dim tensor")
     if w.dim() != 1:
         raise ValueError(f"{w_name} must be 1-D [hidden], got shape {tuple(w.shape)}")
-    if x.dtype not in _NORM_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{x_name} must be float32, bfloat16 or float16, got {x.dtype}")
-    if w.dtype not in _NORM_DTYPES:
+    if w.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{w_name} must be float32, bfloat16 or float16, got {w.dtype}")
     if w.shape[0] != x.shape[-1]:
         raise ValueError(
@@ -46,6 +49,12 @@ def check_rms_norm_args(x: torch.Tensor, w: torch.Tensor, eps: float, *, x_name:
         raise ValueError(f"{w_name} must be contiguous, got stride {w.stride(0)}")
     if w.device != x.device:
         raise ValueError(f"{w_name} is on {w.device} but {x_name} is on {x.device}")
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    """Whether an op on ``t``'s device runs the Triton kernel: always on CUDA; on CPU in
+    Triton's interpreter (``TRITON_INTERPRET=1``, read per call), else ``k3fusion.reference``."""
+    return t.device.type == "cuda" or interpreter_enabled()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

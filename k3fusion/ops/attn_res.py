@@ -3,13 +3,13 @@ graph pass inserts): the Block AttnRes step in one launch."""
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from .. import reference
-from ._args import _check_eps_tensor, _eps_value, _new_norm_output, _rows, check_rms_norm_args
+from .. import kernels, reference
+from ._args import (_check_eps, _check_eps_tensor, _eps_value, _new_norm_output, _rows,
+                    _use_kernel, check_rms_norm_args)
 
 # ====================================================================== AttnRes
 #
@@ -19,13 +19,6 @@ from ._args import _check_eps_tensor, _eps_value, _new_norm_output, _rows, check
 # its inputs and returns the updated prefix as a new tensor instead.
 
 __all__ = ["attn_res_", "attn_res", "check_attn_res_args"]
-
-
-def _check_eps(eps: float, name: str) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"{name} must be finite and >= 0, got {eps}")
 
 
 def _check_int(value, name: str) -> None:
@@ -149,12 +142,11 @@ def _attn_res_out(prefix: torch.Tensor, out_norm_w, out_weight_in_fp32: bool) ->
 
 def _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta, prefix_out,
                      block_write_idx, out_norm_w, out_eps, out_weight_in_fp32) -> None:
-    from k3fusion.kernels import attn_res as launch
-
-    launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, _rows(out),
-           delta=None if delta is None else _rows(delta), prefix_out=prefix_out,
-           block_write_idx=block_write_idx, out_norm_w=out_norm_w, out_eps=out_eps,
-           out_weight_in_fp32=out_weight_in_fp32)
+    # ``kernels.attn_res`` is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
+    kernels.attn_res(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, _rows(out),
+                     delta=None if delta is None else _rows(delta), prefix_out=prefix_out,
+                     block_write_idx=block_write_idx, out_norm_w=out_norm_w, out_eps=out_eps,
+                     out_weight_in_fp32=out_weight_in_fp32)
 
 
 # ---------------------------------------------------------------- in place: the spec
@@ -286,8 +278,9 @@ def _write_in_spec_order(prefix, prefix2, blocks, delta, block_write_idx) -> Non
         slot.copy_(prefix.clone() if _may_overlap(slot, prefix) else prefix)
 
 
-def _attn_res_inplace(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, block_write_idx,
-                      out_norm_w, out_eps, out_weight_in_fp32, use_kernel: bool):
+@attn_res_.register_kernel(("cpu", "cuda"))
+def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,
+      out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
     check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
                         block_write_idx, out_norm_w, out_eps)
     prefix2, blocks3 = _inplace_views(prefix, blocks, delta, block_write_idx)
@@ -298,7 +291,7 @@ def _attn_res_inplace(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, bl
         delta, block_write_idx = None, -1
         prefix2 = _rows(prefix)
         blocks3 = _block_rows(blocks, prefix2.shape[0], written=False)
-    if use_kernel:
+    if _use_kernel(prefix):
         out = _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
         _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta, prefix2,
                          block_write_idx, out_norm_w, out_eps, out_weight_in_fp32)
@@ -307,23 +300,6 @@ def _attn_res_inplace(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, bl
                              None if delta is None else _rows(delta), block_write_idx,
                              out_norm_w, out_eps, out_weight_in_fp32)
     return out.reshape(prefix.shape).contiguous()
-
-
-@attn_res_.register_kernel("cuda")
-def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,
-      out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
-    return _attn_res_inplace(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
-                             block_write_idx, out_norm_w, out_eps, out_weight_in_fp32, True)
-
-
-@attn_res_.register_kernel("cpu")
-def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,
-      out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
-    from k3fusion.kernels._launch import interpreter_enabled
-
-    return _attn_res_inplace(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
-                             block_write_idx, out_norm_w, out_eps, out_weight_in_fp32,
-                             interpreter_enabled())
 
 
 # ---------------------------------------------------------------- functional
@@ -371,16 +347,16 @@ def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=No
     return [out, torch.empty_like(prefix, memory_format=torch.contiguous_format)]
 
 
-def _attn_res_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
-                         out_eps, out_weight_in_fp32, eps_tensor, out_eps_tensor,
-                         use_kernel: bool):
+@attn_res.register_kernel(("cpu", "cuda"))
+def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=None,
+      out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
     _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
                       out_eps, eps_tensor, out_eps_tensor)
     eps = _eps_value(eps, eps_tensor, "eps_tensor")
     out_eps = _eps_value(out_eps, out_eps_tensor, "out_eps_tensor")
     prefix2 = _rows(prefix)
     blocks3 = _block_rows(blocks, prefix2.shape[0], written=False)  # read only: may copy
-    if use_kernel:
+    if _use_kernel(prefix):
         out = _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
         new_prefix = None
         if delta is not None:
@@ -396,24 +372,6 @@ def _attn_res_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
                              out_weight_in_fp32)
     out = out.reshape(prefix.shape).contiguous()
     return [out] if delta is None else [out, prefix2.view(prefix.shape)]
-
-
-@attn_res.register_kernel("cuda")
-def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=None,
-      out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
-    return _attn_res_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
-                                out_norm_w, out_eps, out_weight_in_fp32, eps_tensor,
-                                out_eps_tensor, True)
-
-
-@attn_res.register_kernel("cpu")
-def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=None,
-      out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
-    from k3fusion.kernels._launch import interpreter_enabled
-
-    return _attn_res_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
-                                out_norm_w, out_eps, out_weight_in_fp32, eps_tensor,
-                                out_eps_tensor, interpreter_enabled())
 
 
 # ---------------------------------------------------------------- checked entry points

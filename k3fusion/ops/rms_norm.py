@@ -7,8 +7,9 @@ from typing import Optional
 
 import torch
 
-from .. import reference
-from ._args import _NORM_DTYPES, _new_norm_output, _rows, check_rms_norm_args
+from .. import kernels, reference
+from ..kernels._launch import FLOAT_DTYPES
+from ._args import _new_norm_output, _rows, _use_kernel, check_rms_norm_args
 
 __all__ = ["rms_norm", "rms_norm_and_copy"]
 
@@ -16,7 +17,7 @@ __all__ = ["rms_norm", "rms_norm_and_copy"]
 def _check(x, w, eps, weight_in_fp32, norm_dtype) -> None:
     check_rms_norm_args(x, w, eps)
     if norm_dtype is not None:
-        if norm_dtype not in _NORM_DTYPES:
+        if norm_dtype not in FLOAT_DTYPES:
             raise TypeError(f"norm_dtype must be float32, bfloat16 or float16, got {norm_dtype}")
         if weight_in_fp32:
             raise ValueError("norm_dtype applies to the cast-then-weight form only "
@@ -38,28 +39,17 @@ def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
     return _new_norm_output(x, w, weight_in_fp32, norm_dtype)
 
 
-def _rms_norm_impl(x, w, eps, weight_in_fp32, norm_dtype, use_kernel: bool):
+@rms_norm.register_kernel(("cpu", "cuda"))
+def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
     _check(x, w, eps, weight_in_fp32, norm_dtype)
-    if not use_kernel:
+    if not _use_kernel(x):
         # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
         return reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype).contiguous()
-    from k3fusion.kernels import rms_norm as launch
-
     y = _new_norm_output(x, w, weight_in_fp32, norm_dtype)
-    launch(_rows(x), w, eps, _rows(y), weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype)
+    # ``kernels.rms_norm`` is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
+    kernels.rms_norm(_rows(x), w, eps, _rows(y), weight_in_fp32=weight_in_fp32,
+                     norm_dtype=norm_dtype)
     return y
-
-
-@rms_norm.register_kernel("cuda")
-def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
-    return _rms_norm_impl(x, w, eps, weight_in_fp32, norm_dtype, True)
-
-
-@rms_norm.register_kernel("cpu")
-def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
-    from k3fusion.kernels._launch import interpreter_enabled
-
-    return _rms_norm_impl(x, w, eps, weight_in_fp32, norm_dtype, interpreter_enabled())
 
 
 # ---------------------------------------------------------------------- norm + copy
@@ -97,32 +87,18 @@ def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
             other.new_empty(other.shape))
 
 
-def _rms_norm_and_copy_impl(x, w, eps, other, weight_in_fp32, norm_dtype, use_kernel: bool):
+@rms_norm_and_copy.register_kernel(("cpu", "cuda"))
+def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
     _check(x, w, eps, weight_in_fp32, norm_dtype)
     _check_copy(x, other)
-    if not use_kernel:
+    if not _use_kernel(x):
         y = reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype).contiguous()
         return y, other.clone(memory_format=torch.contiguous_format)
-    from k3fusion.kernels import rms_norm as launch
-
     y = _new_norm_output(x, w, weight_in_fp32, norm_dtype)
     out = other.new_empty(other.shape)
-    launch(_rows(x), w, eps, _rows(y), weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype,
-           copy=(_rows(other), out.view(-1, other.shape[-1])))
+    kernels.rms_norm(_rows(x), w, eps, _rows(y), weight_in_fp32=weight_in_fp32,
+                     norm_dtype=norm_dtype, copy=(_rows(other), out.view(-1, other.shape[-1])))
     return y, out
-
-
-@rms_norm_and_copy.register_kernel("cuda")
-def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
-    return _rms_norm_and_copy_impl(x, w, eps, other, weight_in_fp32, norm_dtype, True)
-
-
-@rms_norm_and_copy.register_kernel("cpu")
-def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
-    from k3fusion.kernels._launch import interpreter_enabled
-
-    return _rms_norm_and_copy_impl(x, w, eps, other, weight_in_fp32, norm_dtype,
-                                   interpreter_enabled())
 
 
 _rms_norm_op = rms_norm

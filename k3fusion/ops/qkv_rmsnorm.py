@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch
 
-from .. import reference
+from .. import kernels, reference
 from ..config import get_config
-from ._args import _check_eps_tensor, _eps_value, _new_norm_output, _rows, check_rms_norm_args
+from ._args import (_check_eps_tensor, _eps_value, _new_norm_output, _rows, _use_kernel,
+                    check_rms_norm_args)
 
 __all__ = ["dual_rms_norm"]
 
@@ -51,45 +52,26 @@ def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False
     return _new_norm_output(x1, w1, weight_in_fp32_1), _new_norm_output(x2, w2, weight_in_fp32_2)
 
 
-def _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2):
-    from k3fusion.kernels import dual_rms_norm as launch
-
+@dual_rms_norm.register_kernel(("cpu", "cuda"))
+def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+      eps1_tensor=None, eps2_tensor=None):
+    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
+    eps1 = _eps_value(eps1, eps1_tensor, "eps1_tensor")
+    eps2 = _eps_value(eps2, eps2_tensor, "eps2_tensor")
+    if not _use_kernel(x1):
+        y1, y2 = reference.dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1,
+                                         weight_in_fp32_2)
+        # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
+        return y1.contiguous(), y2.contiguous()
     y1 = _new_norm_output(x1, w1, weight_in_fp32_1)
     y2 = _new_norm_output(x2, w2, weight_in_fp32_2)
-    launch(
+    # ``kernels.dual_rms_norm`` is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
+    kernels.dual_rms_norm(
         _rows(x1), w1, eps1, _rows(x2), w2, eps2, _rows(y1), _rows(y2),
         weight_in_fp32_1, weight_in_fp32_2,
         rows_per_program=get_config().dual_norm_rows_per_program,
     )
     return y1, y2
-
-
-def _dual_rms_norm_impl(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2,
-                        eps1_tensor, eps2_tensor, use_kernel: bool):
-    _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
-    eps1 = _eps_value(eps1, eps1_tensor, "eps1_tensor")
-    eps2 = _eps_value(eps2, eps2_tensor, "eps2_tensor")
-    if use_kernel:
-        return _dual_rms_norm_triton(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
-    y1, y2 = reference.dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2)
-    # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
-    return y1.contiguous(), y2.contiguous()
-
-
-@dual_rms_norm.register_kernel("cuda")
-def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
-      eps1_tensor=None, eps2_tensor=None):
-    return _dual_rms_norm_impl(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2,
-                               eps1_tensor, eps2_tensor, True)
-
-
-@dual_rms_norm.register_kernel("cpu")
-def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
-      eps1_tensor=None, eps2_tensor=None):
-    from k3fusion.kernels._launch import interpreter_enabled
-
-    return _dual_rms_norm_impl(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1, weight_in_fp32_2,
-                               eps1_tensor, eps2_tensor, interpreter_enabled())
 
 
 _dual_rms_norm_op = dual_rms_norm

@@ -23,7 +23,7 @@ from _tolerances import (
 )
 from k3fusion import reference
 from k3fusion.kernels._launch import _kernels_are_interpreted
-from k3fusion.kernels.dual_rms_norm import dual_rms_norm as launch
+from k3fusion.kernels.qkv_rmsnorm import dual_rms_norm as launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter truncates fp32 -> bf16 casts (see _tolerances.dual_norm_tolerance).
