@@ -16,10 +16,7 @@ import torch
 
 from . import reference
 
-__all__ = ["FLOAT_DTYPES", "check_latent_moe_tail_args"]
-
-#: The dtypes the tail takes for its latent, norm weight and cast (``norm_dtype``).
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["check_latent_moe_tail_args"]
 
 
 def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w,
@@ -56,7 +53,7 @@ def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w,
     if up_w.dim() != 2:
         raise ValueError(f"up_w must be 2-D [H, L], got shape {tuple(up_w.shape)}")
     for name, t in (("routed_latent", routed_latent), ("norm_w", norm_w)):
-        if t.dtype not in FLOAT_DTYPES:
+        if t.dtype not in reference.FLOAT_DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
     for name, t in (("norm_w", norm_w), ("shared", shared), ("up_w", up_w)):
         if t.device != routed_latent.device:
@@ -85,7 +82,7 @@ def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w,
     if latent > 1 and norm_w.stride(0) != 1:
         raise ValueError(f"norm_w must be contiguous, got stride {norm_w.stride(0)}")
     if norm_dtype is not None:
-        if norm_dtype not in FLOAT_DTYPES:
+        if norm_dtype not in reference.FLOAT_DTYPES:
             raise TypeError(f"norm_dtype must be None or a float dtype, got {norm_dtype}")
         if weight_in_fp32:
             raise ValueError("norm_dtype applies to the cast-then-weight norm only "

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm", "dual_rms_norm", "rms_norm_out_dtype", "attn_res"]
+__all__ = ["FLOAT_DTYPES", "rms_norm", "dual_rms_norm", "rms_norm_out_dtype", "attn_res",
+           "latent_moe_tail", "all_reduce"]
+
+#: The floating dtypes every op takes (inputs, weights, ``norm_dtype``).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def rms_norm_out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, weight_in_fp32: bool,
@@ -114,7 +118,6 @@ def attn_res(
 
 # ====================================================================== latent-MoE tail
 
-__all__ += ["latent_moe_tail", "all_reduce"]
 
 
 def all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:

@@ -10,12 +10,10 @@ import triton
 import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "check_launchable", "counter_buffer",
-           "on_tensor_device", "TL_DTYPES", "FLOAT_DTYPES"]
+           "on_tensor_device", "TL_DTYPES"]
 
 #: The Triton dtype of each torch dtype a kernel takes as a constexpr (rounding targets).
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-#: The floating dtypes the kernels take, and so the ops and the patterns that insert them.
-FLOAT_DTYPES = tuple(TL_DTYPES)
 
 
 def cdiv(a: int, b: int) -> int:

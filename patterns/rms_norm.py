@@ -25,8 +25,7 @@ from numbers import Real
 import torch
 from torch.fx import Graph, Node
 
-from k3fusion.kernels._launch import FLOAT_DTYPES
-from k3fusion.reference import rms_norm_out_dtype
+from k3fusion.reference import FLOAT_DTYPES, rms_norm_out_dtype
 
 from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op, only_user,
                   operands, prims, val)

@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from .. import reference
-from ..moe_tail_args import FLOAT_DTYPES, check_latent_moe_tail_args
+from ..moe_tail_args import check_latent_moe_tail_args
+from ..reference import FLOAT_DTYPES
 from .tiers import (TailFusionImpl, register_tail_fusion, tail_fusion_impls, tp_size_and_rank,
                     unregister_tail_fusion)
 

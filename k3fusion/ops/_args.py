@@ -7,7 +7,8 @@ import math
 import torch
 
 from .. import reference
-from ..kernels._launch import FLOAT_DTYPES, interpreter_enabled
+from ..kernels._launch import interpreter_enabled
+from ..reference import FLOAT_DTYPES
 
 __all__ = ["check_rms_norm_args"]
 

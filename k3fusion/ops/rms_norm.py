@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .. import kernels, reference
-from ..kernels._launch import FLOAT_DTYPES
+from ..reference import FLOAT_DTYPES
 from ._args import _new_norm_output, _rows, _use_kernel, check_rms_norm_args
 
 __all__ = ["rms_norm", "rms_norm_and_copy"]
