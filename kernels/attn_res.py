@@ -12,7 +12,7 @@ from the measured :data:`LAUNCH_TABLE`, else the rule in :func:`pick_launch_shap
 recompiles); offsets are int64.
 
 The per-token steps, both kernels' designs (the split kernel's epoch exchange protocol
-and what it requires), the interpreter's form: docs/architecture.md, "Module design notes", "kernels/attn_res.py".
+and what it requires), the interpreter's form: docs/design-notes.md, "kernels/attn_res.py".
 """
 
 from __future__ import annotations

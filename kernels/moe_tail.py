@@ -13,7 +13,7 @@ adding ``shared`` in fp32 (one rounding). Constexpr forms of the same kernel: ``
 tiles (``M_FIRST``), ``DOT_IN_FP32`` (the interpreter); :func:`pick_launch_config`
 picks the default :class:`LaunchConfig`.
 
-Each form's design and the interpreter's constraints: docs/architecture.md, "Module design notes", "kernels/moe_tail.py".
+Each form's design and the interpreter's constraints: docs/design-notes.md, "kernels/moe_tail.py".
 """
 
 from __future__ import annotations

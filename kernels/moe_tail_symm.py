@@ -10,7 +10,7 @@ Every rank copies its partials into its own symmetric buffer, meets every peer a
 signal-pad barrier, sums every peer's tile in fp32 in rank order (bit-identical sums on
 every rank), and meets them again before the buffer is reused.
 
-The steps, the signal-pad protocol and what the caller must keep: docs/architecture.md, "Module design notes", "kernels/moe_tail_symm.py".
+The steps, the signal-pad protocol and what the caller must keep: docs/design-notes.md, "kernels/moe_tail_symm.py".
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ dtype, or the graph's ``norm_dtype``) before the weight multiply, weight-in-fp32
 once at the end. The fp32 sum runs in another order than torch's ``mean``: the result
 agrees with the reference to within that rounding, not bit for bit.
 
-``copy=(src, dst)`` and the unspecialized row count: docs/architecture.md, "Module design notes", "kernels/rms_norm.py".
+``copy=(src, dst)`` and the unspecialized row count: docs/design-notes.md, "kernels/rms_norm.py".
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ The kernel computes keys, logits and the mix in fp32 (``k3fusion.reference.attn_
 a module that rounds its keys or mix to bf16 gets the same function up to that rounding.
 
 Other spellings (MoonshotAI's reference), the checks, the sources and the delta hand-off:
-docs/architecture.md, "Module design notes", "patterns/attn_res.py".
+docs/design-notes.md, "patterns/attn_res.py".
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ What a site computes (``KimiK3LatentMoE.tail``), in the post-grad graph::
         y   = shared + mm(rms_norm(routed), permute(up_w, [1, 0]))   # or the addmm form
 
 The views and padding it reads through, the tp = 1 rule and the near misses it refuses:
-docs/architecture.md, "Module design notes", "patterns/moe_tail.py".
+docs/design-notes.md, "patterns/moe_tail.py".
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The pattern matcher of Inductor does no algebra, so instead of one traced patter
 variant (pow vs. mul, operand order, dtype, dim -1 vs. ndim-1, add.Tensor vs. add.Scalar)
 this module walks outward from each ``rsqrt`` and accepts exactly the variants above.
 
-What it returns and what it refuses (near misses): docs/architecture.md, "Module design notes", "patterns/rms_norm.py".
+What it returns and what it refuses (near misses): docs/design-notes.md, "patterns/rms_norm.py".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """House rules over the library's source (issue 19): code says why, the docs say how fast.
 
 * No module docstring over ``MAX_DOCSTRING_LINES`` lines: what and why; the design
-  explanations live in ``docs/architecture.md``.
+  explanations live in ``docs/design-notes.md``.
 * No timing figure in library code (times, bandwidths, speedups, "on the H200"):
   measurements live in ``docs/benchmarks.md`` / ``docs/experiments.md``.
 * No import circle among the project's modules (``k3fusion``, ``k3fusion.kernels``,
@@ -127,7 +127,7 @@ def test_module_docstrings_are_short():
     long = {_rel(p): n for p in library_files()
             if (n := docstring_too_long(p.read_text())) is not None}
     assert not long, (f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the design "
-                      f"to docs/architecture.md): {long}")
+                      f"to docs/design-notes.md): {long}")
 
 
 def test_no_timing_figures_in_library_code():

@@ -11,7 +11,7 @@ One module per fusion, named as its pattern, op and kernel are:
   detector and patcher per fusion, :data:`~k3fusion.eager.patch.PATCHERS`).
 
 How a patched module fuses without touching its ``forward``, and when the fused paths
-step aside: docs/architecture.md, "Module design notes", "k3fusion/eager/".
+step aside: docs/design-notes.md, "k3fusion/eager/".
 """
 
 from ._norm_spec import RMSNormSpec, rms_norm_spec

@@ -4,7 +4,7 @@
 The prefetch fuses an MLA module's norms without touching its ``forward``: the q
 projection computes both projections and both norms in one launch, and the kv projection
 and the two norms hand back those results only for the very tensors it produced
-(docs/architecture.md, "Module design notes", "k3fusion/eager/").
+(docs/design-notes.md, "k3fusion/eager/").
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ all of them.
 
 ``attn_res=True`` (Block Attention Residuals, the delta hand-off) and
 ``latent_moe=True`` (K3's latent mixture of experts, tensor parallel):
-docs/architecture.md, "Module design notes", "k3fusion/models/kimi_k3.py".
+docs/design-notes.md, "k3fusion/models/kimi_k3.py".
 """
 
 from __future__ import annotations

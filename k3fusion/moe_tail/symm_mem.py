@@ -10,7 +10,7 @@ sums both partials over ``torch.distributed._symmetric_memory``, in fp32 and ran
 then finishes the tail. Two launches, no host synchronization, CUDA-graph safe.
 
 Opt-in (:func:`enable_symm_mem_tail`); its selection, workspace and ordering rules:
-docs/architecture.md, "Module design notes", "k3fusion/moe_tail/symm_mem.py".
+docs/design-notes.md, "k3fusion/moe_tail/symm_mem.py".
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ where a registered implementation supports the platform and tp), ``ALLREDUCE_OVE
 so every rank of a group picks the same tier without communicating.
 
 The tiers, the selection rules and their defaults, tracing, :func:`tier_counts`:
-docs/architecture.md, "Module design notes", "k3fusion/moe_tail/tiers.py".
+docs/design-notes.md, "k3fusion/moe_tail/tiers.py".
 """
 
 from __future__ import annotations
