@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,13 +35,29 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("inductor-cache")
 
 
-def _run(name: str, cache_dir: Path) -> str:
+def _run(name: str, cache_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user has it
     env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1",
                TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py")], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir) -> dict[str, list[subprocess.CompletedProcess]]:
+    """Every example's runs, in order per example (a compiling one twice: cold, then from
+    the cache), the examples side by side: each run is a fresh interpreter that mostly
+    keeps one core busy, so a 2-core machine takes about half the time."""
+    def runs_of(name):
+        return [_run(name, cache_dir) for _ in range(2 if name in COMPILING else 1)]
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(runs_of, name) for name in COMPILING + EAGER}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def _stdout(proc: subprocess.CompletedProcess, name: str) -> str:
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -50,8 +67,8 @@ def _match_counts(out: str) -> list[dict[str, int]]:
 
 
 @pytest.mark.parametrize("name", COMPILING)
-def test_example_prints_the_same_match_counts_twice(name, cache_dir):
-    cold, warm = _run(name, cache_dir), _run(name, cache_dir)
+def test_example_prints_the_same_match_counts_twice(name, runs):
+    cold, warm = (_stdout(proc, name) for proc in runs[name])
     counts = _match_counts(cold)
     assert counts and all(any(c.values()) for c in counts), cold
     assert _match_counts(warm) == counts, (cold, warm)
@@ -60,15 +77,15 @@ def test_example_prints_the_same_match_counts_twice(name, cache_dir):
         assert {k: counts[0][k] for k in sites} == sites
 
 
-def test_eager_patch_example(cache_dir):
-    out = _run("eager_patch", cache_dir)
+def test_eager_patch_example(runs):
+    out = _stdout(runs["eager_patch"][0], "eager_patch")
     assert "skipped: {}" in out and "self_attn" in out and "apply_attn_res" in out, out
     rel = float(re.search(r"max \|patched - original\| / max\|original\|: (\S+)", out).group(1))
     assert rel < 3e-2  # bf16 roundings through two layers (the main job's bound)
 
 
-def test_explain_example(cache_dir):
-    out = _run("explain", cache_dir)
+def test_explain_example(runs):
+    out = _stdout(runs["explain"][0], "explain")
     if importlib.util.find_spec("k3fusion.explain") is None:
         assert "k3fusion.explain is not in this version" in out
     else:  # the report once: every fusion of the tiny model, counted

@@ -50,6 +50,12 @@ from pathlib import Path
 
 import torch
 
+import k3fusion
+from k3fusion import reference
+from k3fusion.kernels.moe_tail import (MAX_TOKENS, LaunchConfig, _block_m, _gemv_block_k,
+                                       _num_sms, _resolve_config, pick_launch_config)
+from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
+
 from .common import base_parser, compile_uncached, environment, hf_rms_norm, write_results
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
@@ -127,10 +133,6 @@ def config_label(cfg) -> str:
 
 def _sweep(t: int, sets) -> dict:
     """``{label: us}`` over the grid, the default config's label, and the fastest."""
-    from k3fusion.kernels.moe_tail import (LaunchConfig, _block_m, _gemv_block_k, _num_sms,
-                                           _resolve_config, pick_launch_config)
-    from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
-
     sms = _num_sms(torch.device(DEVICE))
     default = pick_launch_config(t, HIDDEN, LATENT, DTYPE, sms)
     dot_default = pick_launch_config(t, HIDDEN, LATENT, DTYPE, sms, gemv=False)
@@ -190,11 +192,6 @@ def _sweep(t: int, sets) -> dict:
 
 @torch.no_grad()  # inference graphs: what the passes fuse (and no recompile on grad mode)
 def run_tail(tokens=TOKENS, sweep: bool = False, variants: bool = True) -> list[dict]:
-    import k3fusion
-    from k3fusion import reference
-    from k3fusion.kernels.moe_tail import MAX_TOKENS
-    from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
-
     def kernel(routed, shared, norm_w, up_w):
         return launch(routed, shared, norm_w, EPS, up_w)
 

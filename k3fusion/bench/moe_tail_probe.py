@@ -59,6 +59,15 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
+import k3fusion  # noqa: F401  (registers the ops)
+from k3fusion.kernels import moe_tail as fused_tail
+from k3fusion.kernels.moe_tail import MAX_TOKENS
+
+from .common import hf_rms_norm
+from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
+
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096)
 AUTOTUNE_TOKENS = (1, 16, 64, 512, 4096)
 #: ``--quick``'s T: 8 / 12 / 16 bracket the fused kernel's selection limit (cuBLAS switches
@@ -162,15 +171,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    import torch
-
-    import k3fusion  # noqa: F401  (registers the ops)
-    from k3fusion.kernels.moe_tail import MAX_TOKENS
-    from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
-
-    from .common import hf_rms_norm
-    from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
-
+    launch = fused_tail.latent_moe_tail_fused  # read per run: a test swaps in a wrong one
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
         raise SystemExit("the probe needs a CUDA GPU (or --dry-run)")

@@ -33,6 +33,14 @@ from pathlib import Path
 
 import torch
 
+from k3fusion import moe_tail
+from k3fusion.moe_tail.symm_mem import MAX_TOKENS as SYMM_MAX_TOKENS
+from k3fusion.moe_tail.symm_mem import (prepare_symm_mem_tail, symm_mem_latent_moe_tail,
+                                        unavailable_reason)
+
+from .common import environment, plot_series, write_results
+from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
+
 EPS = 1e-6
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
@@ -73,8 +81,6 @@ def _all_ranks_equal(y: torch.Tensor, group, world: int) -> bool:
 
 
 def _inputs(tokens: int, args, rank: int) -> list[tuple]:
-    from k3fusion.bench.timing import sets_to_outgrow_l2
-
     dt, latent, hidden = DTYPES[args.dtype], args.latent, args.hidden
     item = dt.itemsize
     set_bytes = (hidden * latent + tokens * (latent + hidden)) * item
@@ -106,11 +112,6 @@ def _exact(x, s, w, up, group, world: int) -> torch.Tensor:
 
 def _one_t(tokens: int, args, group, rank: int, world: int, symm: bool) -> dict:
     import torch.distributed as dist
-
-    from k3fusion import moe_tail
-    from k3fusion.bench.timing import cuda_graph_us, hbm_floor_us
-    from k3fusion.moe_tail.symm_mem import MAX_TOKENS as SYMM_MAX_TOKENS
-    from k3fusion.moe_tail.symm_mem import symm_mem_latent_moe_tail
 
     sets = _inputs(tokens, args, rank)
     device = sets[0][0].device
@@ -206,8 +207,6 @@ def _markdown(rows: list[dict], args, world: int, env: dict) -> str:
 
 
 def _plot(result: dict, path: Path) -> None:
-    from k3fusion.bench.common import plot_series
-
     names = [n for n in (*TIERS, SYMM) if any(f"{n}_us" in r for r in result["rows"])]
     plot_series(result, [(f"{n}_us", n) for n in names] + [("floor_us", "up_w HBM floor")],
                 f"latent-MoE tail tiers, tp={result['tp']}", path)
@@ -223,9 +222,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch.distributed as dist
-
-    from k3fusion.bench.common import environment, write_results
-    from k3fusion.moe_tail.symm_mem import prepare_symm_mem_tail, unavailable_reason
 
     local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     torch.cuda.set_device(local)

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 
 from .. import reference
+from ..kernels import moe_tail as fused_tail
+from ..kernels.moe_tail_symm import PeerBuffers, one_shot_all_reduce_pair, packed_layout
 from ..moe_tail_args import check_latent_moe_tail_args
 from ..reference import FLOAT_DTYPES
 from .tiers import (TailFusionImpl, register_tail_fusion, tail_fusion_impls, tp_size_and_rank,
@@ -146,7 +148,7 @@ class SymmMemWorkspace:
     device: torch.device
     buffer: torch.Tensor
     handle: object
-    peers: object  # k3fusion.kernels.moe_tail_symm.PeerBuffers
+    peers: PeerBuffers
 
 
 _workspaces: dict[tuple[str, int], SymmMemWorkspace] = {}
@@ -190,9 +192,6 @@ def _create(group, device: torch.device, nbytes: int) -> SymmMemWorkspace:
     """Allocate and rendezvous a buffer of at least ``nbytes`` (collective, not capturing)."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    # Kernel modules are imported on first use: Triton decorates them then (TRITON_INTERPRET).
-    from k3fusion.kernels.moe_tail_symm import PeerBuffers
-
     world, rank = tp_size_and_rank(group)
     with torch.cuda.device(device):
         buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
@@ -233,8 +232,6 @@ def _workspace(group, device: torch.device, tokens: int, latent: int, hidden: in
                routed_dtype: torch.dtype, shared_dtype: torch.dtype) -> SymmMemWorkspace:
     """The (group, device) workspace, large enough for this call: created now (sized for
     MAX_TOKENS rows, so calls with any T share it) or grown, collectively, if needed."""
-    # Kernel modules are imported on first use: Triton decorates them then (TRITON_INTERPRET).
-    from k3fusion.kernels.moe_tail_symm import packed_layout
 
     need = packed_layout(tokens, latent, hidden, routed_dtype, shared_dtype)[1]
     key = (group.group_name, _device_index(device))
@@ -343,8 +340,6 @@ def one_shot_all_reduce(routed_latent: torch.Tensor, shared: torch.Tensor,
 
 
 def _reduce_pair(routed, shared, group):
-    # Kernel modules are imported on first use: Triton decorates them then (TRITON_INTERPRET).
-    from k3fusion.kernels.moe_tail_symm import one_shot_all_reduce_pair
 
     tokens, latent = routed.shape
     ws = _workspace(group, routed.device, tokens, latent, shared.shape[1], routed.dtype,
@@ -356,17 +351,9 @@ def _tail_after_reduce(routed_sum, shared_sum, norm_w, eps, up_w, weight_in_fp32
                        use_kernel: Optional[bool] = None) -> torch.Tensor:
     """``shared_sum + rms_norm(routed_sum) @ up_w.T``: the single-GPU fused kernel where it
     exists (``use_kernel=None``), else (or with ``use_kernel=False``) the reference math."""
-    if use_kernel is not False:
-        try:  # on first use, as above; absent without a usable Triton
-            from k3fusion.kernels.moe_tail import MAX_TOKENS as kernel_max
-            from k3fusion.kernels.moe_tail import latent_moe_tail_fused
-        except ImportError:
-            if use_kernel:
-                raise
-        else:
-            if routed_sum.shape[0] <= kernel_max:
-                return latent_moe_tail_fused(routed_sum, shared_sum, norm_w, eps, up_w,
-                                             weight_in_fp32=weight_in_fp32)
+    if use_kernel is not False and routed_sum.shape[0] <= fused_tail.MAX_TOKENS:
+        return fused_tail.latent_moe_tail_fused(routed_sum, shared_sum, norm_w, eps, up_w,
+                                                weight_in_fp32=weight_in_fp32)
     h = reference.rms_norm(routed_sum, norm_w, eps, weight_in_fp32)
     return shared_sum + h @ up_w.T
 

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import reference
+from .. import kernels, reference
 from ..config import FusionConfig, get_config
 from ..moe_tail_args import check_latent_moe_tail_args
 
@@ -495,21 +495,16 @@ def _triton_supports(tokens: int, hidden: int, tp: int, device: torch.device) ->
     if tp != 1:
         return (f"tp={tp}: the kernel computes one rank's whole tail (tp=1 only; with tp > 1 "
                 "the all-reduces between norm and GEMM cannot be fused into it)")
-    # Imported here, not at module import: the kernel is decorated when first needed.
-    from k3fusion.kernels.moe_tail import MAX_TOKENS
-
-    if not 0 < tokens <= MAX_TOKENS:
-        return f"T={tokens} is outside the kernel's range 1..{MAX_TOKENS}"
+    if not 0 < tokens <= kernels.moe_tail.MAX_TOKENS:
+        return f"T={tokens} is outside the kernel's range 1..{kernels.moe_tail.MAX_TOKENS}"
     return None
 
 
 def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype=None):
-    # tp == 1 (supports() said so): a one-rank group's all-reduces are identities.
-    # Imported here, not at module import: the kernel is decorated when first needed.
-    from k3fusion.kernels import latent_moe_tail_fused as launch
-
-    return launch(routed, shared, norm_w, eps, up_w, weight_in_fp32=weight_in_fp32,
-                  norm_dtype=norm_dtype)
+    # tp == 1 (supports() said so): a one-rank group's all-reduces are identities. The
+    # launcher is looked up per call: the tests spy on the package's attribute.
+    return kernels.latent_moe_tail_fused(routed, shared, norm_w, eps, up_w,
+                                         weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype)
 
 
 #: Largest T at which selection picks the tp = 1 kernel over the two-launch unfused form
