@@ -250,3 +250,39 @@ def test_kernels_import_nothing_built_on_them():
     bad = {m: sorted(e for e in edges if any(e == a or e.startswith(a + ".") for a in above))
            for m, edges in graph.items() if m.startswith("k3fusion.kernels")}
     assert not any(bad.values()), {m: e for m, e in bad.items() if e}
+
+
+def project_imports_inside_functions(source: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of each import of the project's own modules (``k3fusion...`` or
+    relative) made inside a function with no ``#`` comment on its line or the three above:
+    such an import hides a dependency, so it says why it is not at the top."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for s in ast.walk(node):
+            if isinstance(s, ast.ImportFrom):
+                own = s.level > 0 or (s.module or "").split(".")[0] == "k3fusion"
+            elif isinstance(s, ast.Import):
+                own = any(a.name.split(".")[0] == "k3fusion" for a in s.names)
+            else:
+                continue
+            context = lines[max(0, s.lineno - 4):s.lineno]
+            if own and not any("#" in line for line in context):
+                found.append((s.lineno, lines[s.lineno - 1].strip()))
+    return found
+
+
+def test_local_project_import_check_flags_an_unexplained_one():
+    bare = "def f():\n    x = 1\n    y = 2\n    z = 3\n    from .ops import rms_norm\n"
+    assert project_imports_inside_functions(bare) == [(5, "from .ops import rms_norm")]
+    said = "def f():\n    # circle: ops imports this module\n    from .ops import rms_norm\n"
+    assert project_imports_inside_functions(said) == []
+    assert project_imports_inside_functions("def f():\n    import torch\n") == []
+
+
+@pytest.mark.parametrize("path", library_files() + sorted((ROOT / "k3fusion" / "bench").glob("*.py")),
+                         ids=_rel)
+def test_project_imports_are_at_the_top_unless_a_comment_says_why(path):
+    assert not project_imports_inside_functions(path.read_text()), _rel(path)
