@@ -563,7 +563,10 @@ def test_cuda_fp32_and_weight_in_fp32(weight_in_fp32):
 
 @pytest.mark.cuda
 def test_cuda_tier_runs_the_kernel():
-    for tokens in (1, 16):
+    """The tier picks the kernel up to ``TRITON_SELECT_MAX_TOKENS`` (the GEMV form at one
+    token, the PDL prologue form at the limit) and not one token above it."""
+    limit = moe_tail.TRITON_SELECT_MAX_TOKENS
+    for tokens in (1, limit):
         x, s, w, up = _k3_inputs(tokens, seed=2)
         with spy_on_launcher("latent_moe_tail_fused", "weight_in_fp32") as calls:
             y, tier = moe_tail.run_latent_moe_tail(x, s, w, 1e-6, up)
@@ -573,7 +576,7 @@ def test_cuda_tier_runs_the_kernel():
         with spy_on_launcher("latent_moe_tail_fused", "weight_in_fp32") as calls:
             y_op = torch.ops.k3fusion.latent_moe_tail(x, s, w, 1e-6, up, None)
         assert calls == [False] and torch.equal(y_op, y)
-    x, s, w, up = _k3_inputs(17, seed=2)
+    x, s, w, up = _k3_inputs(limit + 1, seed=2)
     with spy_on_launcher("latent_moe_tail_fused", "weight_in_fp32") as calls:
         _, tier = moe_tail.run_latent_moe_tail(x, s, w, 1e-6, up)
     assert tier is not Tier.TAIL_FUSION and calls == []
