@@ -407,6 +407,8 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     if swap_ab and gemv:
         raise ValueError("swap_ab=True orders a tensor-core dot's operands; gemv=True has no "
                          "dot: ask for one or the other")
+    asked = (any((block_n, block_k, num_warps, num_stages, split_k, norm_block_k, block_m))
+             or any(v is not None for v in (swap_ab, gemv, prenorm, m_first, pdl)))
     if swap_ab is not None and gemv is None:
         gemv = False  # a dot operand order asked for (either one): the dot form
     auto = pick_launch_config(tokens, hidden, latent, dtype, _num_sms(device), gemv)
@@ -427,11 +429,11 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
         # (wgmma reads its M side from there): where that would not fit, do not swap.
         swap_ab = (auto.swap_ab
                    and block_n * block_k * dtype.itemsize * num_stages <= SWAP_AB_SMEM_BYTES)
-    if prenorm is None and pdl is None and not block_m:
-        # Fully automatic: the default's PDL prologue form where PDL runs (without it the
-        # prologue is only one launch more), the kernel's own norm prologue elsewhere.
-        prenorm = pdl = (auto.pdl and split == auto.split_k and block_n == auto.block_n
-                         and pdl_available(device))
+    if not asked:
+        # Nothing asked for: the default's PDL prologue form where PDL runs (without it the
+        # prologue is only one launch more); any launch option asks for the one-launch form
+        # unless it names prenorm / pdl too (the sweeps time those shapes as they were).
+        prenorm = pdl = auto.pdl and pdl_available(device)
     return LaunchConfig(block_n=block_n, block_k=block_k,
                         num_warps=num_warps or auto.num_warps,
                         num_stages=num_stages, split_k=split,

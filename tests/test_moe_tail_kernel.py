@@ -336,7 +336,7 @@ def test_launch_config_takes_the_pdl_prologue_form_up_to_16_rows(monkeypatch):
     assert auto.prenorm and auto.pdl  # the interpreter runs it as plain prenorm
     # anything asked for about the form or the grid: as asked, no PDL unless asked
     for opts in ({"prenorm": False}, {"prenorm": True}, {"split_k": 2}, {"block_n": 32},
-                 {"block_m": 16}):
+                 {"block_n": 64}, {"num_stages": 4}, {"swap_ab": True}, {"block_m": 16}):
         cfg = resolve(4, 7168, 3584, torch.bfloat16, cpu, **opts)
         assert not cfg.pdl and cfg.prenorm == bool(opts.get("prenorm")), (opts, cfg)
     assert resolve(4, 7168, 3584, torch.bfloat16, cpu, prenorm=True, pdl=True).pdl
