@@ -33,7 +33,8 @@ __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SP
            "EARLY_TILE_MAX_TOKENS", "LAUNCH_TABLE", "TILE_MAX_PER_THREAD", "table_shape",
            "parse_shape"]
 
-#: From this many tokens on, the row kernel uses its prefill shape (docs/benchmarks.md, "AttnRes step (`attn_res`)"; docs/experiments.md, "kernels/attn_res.py").
+#: From this many tokens on, the row kernel uses its prefill shape (docs/experiments.md,
+#: "2026-11-29: the pipelined source loop (prefill shape from 256 tokens)"; summary: "kernels/attn_res.py").
 PREFILL_TOKENS = 256
 #: Sources per tile of the row kernel's decode shape.
 DECODE_SOURCES_PER_TILE = 4
@@ -47,11 +48,11 @@ PREFILL_LOOP_STAGES = 3
 LOOP_SMEM_BYTES = 160 * 1024
 #: Up to this many tokens the row kernel's decode shape loads its first source tile
 #: before the prefix (``EARLY_TILE``: the two HBM round trips overlap instead of following
-#: each other) (docs/benchmarks.md, "AttnRes step (`attn_res`)"; docs/experiments.md, "kernels/attn_res.py").
+#: each other) (docs/experiments.md, "2026-11-29: the early first tile"; summary: "kernels/attn_res.py").
 EARLY_TILE_MAX_TOKENS = 64
 #: Up to this many tokens the rule runs the split kernel (``split_max_tokens`` overrides;
 #: 0: never); :data:`LAUNCH_TABLE`'s first token edge.
-#: (docs/benchmarks.md, "AttnRes step (`attn_res`)"; docs/experiments.md, "kernels/attn_res.py")
+#: (docs/experiments.md, "2026-11-29: the split kernel's epoch-tagged exchange"; summary: "kernels/attn_res.py")
 SPLIT_MAX_TOKENS = 12
 #: Columns per program of the split kernel (7 programs per 7168-wide token) ...
 SPLIT_CHUNK = 1024
@@ -73,6 +74,7 @@ SYNC_EPOCH = tl.constexpr(1 << 16)
 TILE_MAX_PER_THREAD = 128
 
 #: The automatic launch shape, measured: docs/benchmarks.md#attnres-launch-selection-sweep-issue-20
+#: (the run that chose it, every point: docs/experiments.md#2026-12-02-the-launch-selection-run-issue-20).
 #: Keyed by the most bytes of a padded row (``next_power_of_2(H) * element size``, so fp32
 #: at H 2048 takes bf16's H 4096 row: the same bytes per thread in flight, half the
 #: registers); rows ``(most tokens, shapes for 0, 1, ..., 8 completed blocks)``, the first

@@ -291,7 +291,7 @@ def _block_m(tokens: int, gemv: bool = False) -> int:
 
 
 #: Up to this many tokens the automatic choice takes the GEMV form (16-bit weights)
-#: (docs/benchmarks.md, "Latent-MoE tail on one GPU (`latent_moe_tail`)"; docs/experiments.md, "kernels/moe_tail.py").
+#: (docs/experiments.md, "2026-11-29: the GEMV form for one token"; summary: "kernels/moe_tail.py").
 GEMV_MAX_TOKENS = 1
 #: The GEMV form's accumulator elements per program (``BLOCK_N * BLOCK_M * BLOCK_K``): 64
 #: fp32 registers per thread at 4 warps -- kept where ``block_k`` can still shrink (>= 16).
@@ -356,7 +356,7 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
 
 
 #: Dot-form launches of up to this many token rows take the PDL prologue form by default
-#: (docs/benchmarks.md, "Latent-MoE tail vs cuBLAS (issue 17)").
+#: (docs/experiments.md, "Latent-MoE tail vs cuBLAS (issue 17), 2026-12-02", "Defaults taken from the run").
 PDL_MAX_BLOCK_M = 16
 
 

@@ -667,7 +667,8 @@ def test_the_rounded_prefix_is_the_last_source(dtype: torch.dtype) -> None:
 def test_pick_launch_shape() -> None:
     H = 7168
     # The split kernel up to 12 tokens, then the row kernel (measured on the H200: the
-    # split kernel with its epoch-tagged exchange ahead up to 12; docs/benchmarks.md).
+    # split kernel with its epoch-tagged exchange ahead up to 12;
+    # docs/experiments.md, "2026-11-29: the split kernel's epoch-tagged exchange").
     assert SPLIT_MAX_TOKENS == 12
     for T in (1, SPLIT_MAX_TOKENS):
         s = pick_launch_shape(T, H, 8)

@@ -490,8 +490,8 @@ def test_supports_on_a_cuda_device_object():
     assert moe_tail.select_tier(1, 7168, 1, cuda) is Tier.TAIL_FUSION
     # selection stops at the kernel's measured select_max_tokens (8), below its limit
     # and below config.fused_tail_max_tokens; forcing the tier runs it up to its limit.
-    # The boundary is checked on both sides of the constant (docs/benchmarks.md, "Latent-MoE
-    # tail vs cuBLAS (issue 17)", says how the probe's --quick run would move it).
+    # The boundary is checked on both sides of the constant (docs/experiments.md, "Latent-MoE
+    # tail vs cuBLAS (issue 17), 2026-12-02", says how the probe's --quick run would move it).
     most = moe_tail.TRITON_SELECT_MAX_TOKENS
     assert impl.select_max_tokens == most == 8
     assert moe_tail.select_tier(most, 7168, 1, cuda) is Tier.TAIL_FUSION

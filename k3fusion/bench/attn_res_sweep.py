@@ -88,8 +88,9 @@ SPLIT_SHAPES = ((512, 4), (1024, 4), (2048, 8), (4096, 16))
 SOLO_WARPS = (4, 8, 16)
 #: Most source-tile elements per thread a candidate (but the defaults) may hold: past it
 #: the tile spills (and ptxas takes long to say so); the early tile of all 8 blocks at
-#: H 7168 was already slower at 64 per thread (docs/benchmarks.md). The launch table's
-#: bound too (``kernels.attn_res.TILE_MAX_PER_THREAD``, equal: a test checks).
+#: H 7168 was already slower at 64 per thread (docs/experiments.md, "2026-11-29: more early
+#: loads; the prefill shape sweep"). The launch table's bound too
+#: (``kernels.attn_res.TILE_MAX_PER_THREAD``, equal: a test checks).
 MAX_PER_THREAD = 128
 #: Bytes-only kernel shapes: (columns per program, 0 = the whole row; warps).
 BYTES_ONLY_SHAPES = ((0, 4), (0, 8), (0, 16), (1024, 4), (512, 4))

@@ -317,7 +317,7 @@ def _norm_then_beta_add(routed, shared, norm_w, eps, up_w, weight_in_fp32, norm_
     that copy in place; a donated ``shared`` is the GEMM's output itself (no copy at all).
     ``torch.addmm(shared, h, w.T)`` would copy ``shared`` in a launch of its own. The add
     rounds once (fp32 product + shared), not twice: the column-parallel tier's numerics
-    (docs/benchmarks.md, "Latent-MoE tail vs cuBLAS (issue 17)")."""
+    (docs/experiments.md, "Latent-MoE tail vs cuBLAS (issue 17), 2026-12-02", phase 2)."""
     if donate_shared:
         h = torch.ops.k3fusion.rms_norm(routed, norm_w, eps, weight_in_fp32, norm_dtype)
         out = shared
@@ -508,7 +508,7 @@ def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_d
 
 
 #: Largest T at which selection picks the tp = 1 kernel over the two-launch unfused form
-#: (docs/benchmarks.md, "Latent-MoE tail vs cuBLAS (issue 17)", the confirmation run).
+#: (docs/experiments.md, "Latent-MoE tail vs cuBLAS (issue 17), 2026-12-02", the confirmation run).
 TRITON_SELECT_MAX_TOKENS = 8
 
 register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",),
