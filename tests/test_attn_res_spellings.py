@@ -37,9 +37,21 @@ def _errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return e.max().item(), e.mean().item()
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("spelling", SPELLINGS)
+def _cases():
+    """Every spelling static in fp32 and bf16, and with a dynamic token count in bf16; the
+    official spelling dynamic in fp32 too: dynamic sizes are read the same way whatever the
+    dtype, fp32's cast-free graphs are covered static and once dynamic, and the six other
+    fp32 dynamic compiles cost about a minute of the 2-core CI suite."""
+    for spelling in SPELLINGS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for dynamic in (False, True):
+                if dynamic and dtype == torch.float32 and spelling != "official":
+                    continue
+                yield pytest.param(spelling, dtype, dynamic,
+                                   id=f"{spelling}-{dtype}-{'dynamic' if dynamic else 'static'}")
+
+
+@pytest.mark.parametrize("spelling,dtype,dynamic", list(_cases()))
 def test_every_multi_source_site_fused(spelling, dtype, dynamic):
     model = AttnResModel(spelling).eval()
     ref_model = copy.deepcopy(model).double()
