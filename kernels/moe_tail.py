@@ -361,11 +361,12 @@ PDL_MAX_BLOCK_M = 16
 
 
 def pdl_available(device: torch.device) -> bool:
-    """Whether launches on ``device`` run as programmatic dependents: sm_90+ with a Triton
-    that has ``gdc_wait``; on CPU the interpreter runs the PDL form as plain ``prenorm``."""
+    """Whether launches on ``device`` run as programmatic dependents: NVIDIA sm_90+ with a
+    Triton that has ``gdc_wait`` (not ROCm, whose capability numbers overlap); on CPU the
+    interpreter runs the PDL form as plain ``prenorm``."""
     if device.type == "cpu":
         return True
-    return (device.type == "cuda" and gdc_wait is not None
+    return (device.type == "cuda" and torch.version.hip is None and gdc_wait is not None
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
