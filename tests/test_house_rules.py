@@ -1,7 +1,8 @@
 """House rules over the library's source (issue 19): code says why, the docs say how fast.
 
-* No module docstring over ``MAX_DOCSTRING_LINES`` lines: what and why; the design
-  explanations live in ``docs/design-notes.md``.
+* No module docstring over ``MAX_DOCSTRING_LINES`` lines, in library code and in
+  ``k3fusion/bench/``: what and why; the design explanations live in
+  ``docs/design-notes.md``, how each benchmark measures in ``docs/bench-methods.md``.
 * No timing figure in library code (times, bandwidths, speedups, "on the H200"):
   measurements live in ``docs/benchmarks.md`` / ``docs/experiments.md``.
 * No import circle among the project's modules (``k3fusion``, ``k3fusion.kernels``,
@@ -9,8 +10,8 @@
   functions are not followed.
 
 Library code: ``k3fusion/**/*.py`` except ``k3fusion/bench/`` (the benchmarks print and
-document timings), ``patterns/*.py`` and ``kernels/*.py``. Static: files are read, never
-imported.
+document timings, so only the docstring rule covers them), ``patterns/*.py`` and
+``kernels/*.py``. Static: files are read, never imported.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def library_files() -> list[Path]:
     for package in ("patterns", "kernels"):
         files += sorted((ROOT / package).glob("*.py"))
     return files
+
+
+def bench_files() -> list[Path]:
+    return sorted((ROOT / "k3fusion" / "bench").glob("*.py"))
 
 
 def _rel(path: Path) -> str:
@@ -128,6 +133,15 @@ def test_module_docstrings_are_short():
             if (n := docstring_too_long(p.read_text())) is not None}
     assert not long, (f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the design "
                       f"to docs/design-notes.md): {long}")
+
+
+def test_bench_module_docstrings_are_short():
+    """The benchmarks too: usage and what is measured; the method is in the docs."""
+    assert {"decoder.py", "moe_tail_tp.py", "__init__.py"} <= {p.name for p in bench_files()}
+    long = {_rel(p): n for p in bench_files()
+            if (n := docstring_too_long(p.read_text())) is not None}
+    assert not long, (f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the method "
+                      f"to docs/bench-methods.md): {long}")
 
 
 def test_no_timing_figures_in_library_code():
@@ -282,7 +296,7 @@ def test_local_project_import_check_flags_an_unexplained_one():
     assert project_imports_inside_functions("def f():\n    import torch\n") == []
 
 
-@pytest.mark.parametrize("path", library_files() + sorted((ROOT / "k3fusion" / "bench").glob("*.py")),
+@pytest.mark.parametrize("path", library_files() + bench_files(),
                          ids=_rel)
 def test_project_imports_are_at_the_top_unless_a_comment_says_why(path):
     assert not project_imports_inside_functions(path.read_text()), _rel(path)

@@ -2,32 +2,14 @@
 
 ``python -m k3fusion.bench.attn_res [--out DIR] [--tokens T ...] [--sweep] [--compiled NAME]``
 
-Kimi-K3's decode/prefill step at a layer that closes a block: bf16, ``H = 7168``, a bank of
-9 slots ``[T, 9, H]`` holding 8 completed blocks, so 9 sources (8 blocks + the prefix);
-``prefix += delta``, the new prefix appended to slot 8, the depth softmax, the output
-RMSNorm. Side by side, in one process, each under CUDA-graph replay (median):
+Kimi-K3's step at a layer that closes a block (bf16, ``H = 7168``, 9 sources), under
+CUDA-graph replay against the HBM floor: eager (:func:`attn_res_chain`), default Inductor
+and the fused op ``torch.ops.k3fusion.attn_res_``. ``--sweep`` also times the kernel at
+every launch shape (to set ``kernels.attn_res.pick_launch_shape``). Writes
+``attn_res.json``, ``attn_res.md`` and ``attn_res.png`` to ``--out``.
 
-* ``eager``: the chain as a model writes it (:func:`attn_res_chain`): HF-style key
-  RMSNorm, ``Linear(H, 1)`` projection, float softmax over the sources, the mix, HF-style
-  output RMSNorm;
-* ``inductor``: default ``torch.compile`` of that same function;
-* ``fused_op``: ``torch.ops.k3fusion.attn_res_`` (in place, one launch).
-
-The fused op mutates its inputs, so every call adds ``delta`` to the prefix again: the
-values drift (a random walk, far from bf16's range in a benchmark's few hundred calls),
-which changes nothing in the work done, and input sets are rotated (as for every
-variant) so the timings read HBM, not L2. The HBM floor is the bytes the fused kernel
-must move once: read 8 blocks, the prefix and delta, write the prefix, the block and the
-output (13 rows of ``T x H`` bf16) plus the three weight rows, at 4.3 TB/s.
-
-``--sweep`` also times the kernel itself for every launch shape (row kernel: sources per
-tile 1, 2, 4 x warps 4, 8, 16 x source-loop stages 1 (with and without the early first
-tile) or 3; split kernel: columns x warps)
-at each T, to set ``kernels.attn_res.pick_launch_shape`` (``PREFILL_TOKENS``, the
-sources per tile, the warp rule, ``PREFILL_LOOP_STAGES``, ``SPLIT_MAX_TOKENS``,
-``EARLY_TILE_MAX_TOKENS``).
-
-Writes ``attn_res.json``, ``attn_res.md`` and ``attn_res.png`` to ``--out``.
+How it measures (the chain, the in-place op's drift, the floor, the sweep's grid):
+docs/bench-methods.md, section "``python -m k3fusion.bench.attn_res``".
 """
 
 from __future__ import annotations

@@ -2,41 +2,16 @@
 
 ``python -m k3fusion.bench.attn_res_sweep --out DIR [--quick] [--skip-inductor] [--dry-run]``
 
-For every point -- ``H`` in {2048, 4096, 7168}, ``nb`` completed blocks in 0..8 (``nb + 1``
-sources), ``T`` in {1, 8, 32, 128, 512, 4096} -- the step of the issue's table: bf16, a
-bank of 9 slots ``[T, 9, H]``, ``prefix += delta`` in place, the new prefix written to slot
-``nb``, the depth softmax over ``blocks[:, :nb]`` and the prefix, the output RMSNorm. Each
-point times, under CUDA-graph replay with inputs rotated past L2 (``timing.cuda_graph_us``,
-as ``bench.attn_res``):
+At every ``(H, nb, T)`` point, under CUDA-graph replay: every candidate launch shape
+(:func:`candidates`), default Inductor, and at ``T = 1`` a bytes-only latency floor, each
+candidate checked against ``k3fusion.reference.attn_res`` first (:func:`check`). Compiles
+run first in a pool of workers that fill the on-disk caches. Writes
+``DIR/attn_res_sweep.json`` after every ``(H, nb)`` and prints the selection table the data
+implies; ``--tables-from JSON`` prints it again. ``--dry-run``: everything at tiny sizes in
+Triton's CPU interpreter, not timed (the CPU test of this script's logic).
 
-* every candidate launch shape of :func:`candidates`: the default (``pick_launch_shape``),
-  the split kernel at a few chunks, its one-program-per-token form (``solo``: a chunk as
-  wide as the row, no exchange), the row kernel at several sources per tile x warps, with
-  and without the early first tile, and its pipelined prefill shapes at larger T;
-* default Inductor: ``torch.compile`` of the step as a model writes it (``chain``),
-  compiled once per ``(H, nb)`` with the token dim dynamic (``mark_dynamic``; ``T = 1`` is
-  a specialization of its own, as in any dynamic compile);
-* at ``T = 1``: a bytes-only kernel that loads the same rows and stores the same outputs
-  in one launch with no row-wide reduction -- the latency floor of a one-launch step.
-
-Every candidate is checked once per point against ``k3fusion.reference.attn_res`` before
-it is timed, stage by stage with the kernel tests' bounds (:func:`check`: prefix and bank
-bit for bit, the mix within 1 ulp + the fp32 drift bound, the output norm within
-:data:`OUT_ULPS` of the norm of the kernel's own mix). A failing candidate is flagged in
-the JSON and never selected.
-
-Compiles (about 170 Triton variants, 54 Inductor graphs) run first in a pool of worker
-processes that fill the on-disk caches (Triton's and Inductor's FX graph cache) before any
-timing, so the timed process only loads them. Results are written after every ``(H, nb)``
-to ``DIR/attn_res_sweep.json`` (a timeout keeps what was done); the end prints the selection
-table the data implies (best shape per ``(H, nb, T)``) and last a per-point table: best
-shape and us, the default's us, the public kernel's form's us (best row shape of 1-4
-sources per tile and 4-8 warps), Inductor's us, and the ratios; ``--tables-from JSON``
-prints them again from a saved (or partial) run.
-
-``--dry-run`` runs everything on tiny sizes in Triton's CPU interpreter without timing
-(every candidate, check, the bytes-only kernel, the tables and the JSON): the CPU test
-of this script's logic.
+How it measures (the grid, the candidates, the checks, the tables):
+docs/bench-methods.md, section "``python -m k3fusion.bench.attn_res_sweep``".
 """
 
 from __future__ import annotations

@@ -3,66 +3,16 @@
 ``python -m k3fusion.bench.decoder [--out DIR] [--layers N] [--tokens T ...] [--prefill T ...]
 [--seeds N] [--static] [--quick] [--rank-of N] [--profile]``
 
-The stack is :class:`k3fusion.models.KimiK3Model` (embedding, decoder layers, final AttnRes
-and norm; the lm_head is not run) built from the K3 preset, bf16: hidden 7168; MLA with
-q_lora 1536, kv_lora 512 + rope 64 (a 576-wide ``kv_a_proj_with_mqa`` row), 64 heads;
-Block AttnRes with a block size of ``layers // 2`` (the embedding is block 0 and a block
-boundary falls inside the stack); the normalized latent MoE (latent 3584, experts of
-width 2048, 1 shared expert). Cut to one GPU: 4 layers, 8 routed experts with top_k = 8
-(the model runs every expert densely, so a token's expert work is K3's top-8; and routing
-then makes no discrete choice, so compiled and eager outputs can be compared within
-rounding -- with top-k of fewer, a near-tie flips an expert), a 2048-token vocabulary.
-About 3 GB of weights.
+Times :class:`k3fusion.models.KimiK3Model` (the K3 preset cut to one GPU, bf16) at decode
+steps and prefill chunks under CUDA-graph replay: eager, default ``torch.compile`` and
+``torch.compile(backend="k3fusion")``, with each shape's compile time and match counts.
+Each shape is first checked against an fp64 run (the suite's model-level bf16 rule); a miss
+stops the sweep and exits 1. ``--rank-of N``: the step of one rank of N-way tensor
+parallel; ``--profile``: a kernel-time profile and the Amdahl bound it implies. Writes
+``decoder.json``, ``decoder.md`` and ``decoder.png`` to ``--out``.
 
-Steps (the reference model has no KV cache):
-
-* decode step, T in 1, 8, 32, 64: T sequences of one token (input ids ``[T, 1]``); its
-  attention sees only the token itself, so no cache read is in the numbers;
-* prefill chunk, T in 512, 4096: one sequence of T tokens (``[1, T]``), causal attention.
-
-Variants, each timed under CUDA-graph replay (median; 2 steps per graph for decode, 1 for
-prefill; the weights, read once per step, dwarf L2): eager, default ``torch.compile``
-("inductor") and ``torch.compile(backend="k3fusion")``.
-
-Compiles: by default both compiled variants are plain ``torch.compile(stack[, backend])``,
-i.e. ``dynamic=None``: the first shape compiles specialized, the next shape of a new size
-recompiles once with the token dim dynamic, later sizes reuse that graph. Over the default
-sweep that is 3 compiles per variant (decode T=1 static, decode T>1 dynamic, prefill
-dynamic). ``--static`` compiles with ``dynamic=False`` instead, which recompiles for every
-shape (a compile per T and variant: twice the compile time). Each shape's first call is
-timed (wall, synchronized) with the FX graph and AOT autograd caches off and a fresh
-Inductor / Triton cache directory, so a compile's seconds include every kernel it builds;
-the table gives compile seconds only where that call compiled, ``reused`` otherwise. The
-k3fusion variant's ``k3fusion.match_counts()`` are recorded for each of its compiles.
-
-Equivalence, before each shape is timed: for each of ``--seeds`` seeds the weights are
-redrawn (same init, that seed) and a seeded input drawn; eager bf16, both compiled
-variants and an fp64 copy of the same (bf16) weights run. The rule is the suite's
-model-level bf16 rule (``tests/test_compile_model.py``): the k3fusion output's max and
-mean error against fp64 must stay within twice eager bf16's own (compiled code rounds
-differently, not worse), the max plus one bf16 ulp of max|out| (rounding the output alone
-costs half an ulp on either side: at a handful of elements eager's max error can be about
-that small); eager's own max error must stay under 1/8 of max|out| (else the yardstick is
-broken; measured 2.6-4.7% at 4 K3-width layers). Out of bound: the sweep stops, the
-results so far are written, and the run exits 1 with the numbers.
-
-Writes ``decoder.json``, ``decoder.md`` and ``decoder.png`` to ``--out``. ``--quick``: 2
-layers, decode T 1 and 32, prefill 512, 2 seeds.
-
-``--rank-of N``: the step as one rank of an N-way tensor-parallel deployment computes it
-(:func:`rank_view`): attention heads ``64 / N`` (the column shards of ``q_b_proj`` and
-``kv_b_proj``, the row shard of ``o_proj``), every routed expert's and the shared expert's
-intermediate width ``2048 / N`` (the model's own TP sharding, ``tp_shard_state_dict``); the
-MLA a-projections (``q_a_proj``, ``kv_a_proj_with_mqa``), the router and the latent
-projections (``down_proj``, ``up_proj``) replicated, full width, as the model holds them
-under TP; the routed experts one token runs at decode (its top 8). Hidden width stays 7168,
-the equivalence rule is the same. The collectives a rank runs (the attention output's
-all-reduce, the MoE tail's all-reduces) are not run and not timed on one GPU: the model is
-built without a process group, so the tail is the tp = 1 function of the rank's partials.
-
-``--profile``: for each decode shape also a kernel-time profile of both compiled variants
-(torch.profiler, 5 steps without a graph) and the Amdahl bound it implies for k3fusion's
-speedup (:func:`amdahl`), as a second table.
+How it measures (the stack's widths, the steps, the compiles, the equivalence rule, each
+flag): docs/bench-methods.md, section "``python -m k3fusion.bench.decoder``".
 """
 
 from __future__ import annotations
@@ -104,7 +54,7 @@ DECODE_TOKENS = (1, 8, 32, 64)
 PREFILL_TOKENS = (512, 4096)
 LAYERS = 4
 SEEDS = 3
-NUM_EXPERTS = 8          # top_k = NUM_EXPERTS: see the module docstring
+NUM_EXPERTS = 8          # top_k = NUM_EXPERTS: why in docs/bench-methods.md (decoder)
 VOCAB = 2048
 QUICK = dict(layers=2, tokens=(1, 32), prefill=(512,), seeds=2)
 

@@ -3,43 +3,16 @@
 ``python -m k3fusion.bench.moe_tail [--out DIR] [--tokens T ...] [--sweep | --sweep-only]
 [--tp-tokens T ...] [--tps TP ...]``
 
-Kimi-K3's widths: latent ``L = 3584``, hidden ``H = 7168``, bf16, HF-style latent norm
-(eps 1e-6); ``up_w`` is 51 MB, so at decode sizes the tail is bound by reading it once.
+At Kimi-K3's widths, bf16, under CUDA-graph replay against the HBM floor: (a) the tp = 1
+tail ``shared + rms_norm(routed) @ up_w.T`` -- eager, default Inductor, the fused kernel,
+the op, and the model form compiled with and without ``backend="k3fusion"``, each checked
+against the reference first; ``--sweep`` also times the kernel's launch configs (to choose
+``kernels.moe_tail.pick_launch_config``); (b) one rank's column-parallel up-projection GEMM
+against the replicated one. Writes ``moe_tail.json``, ``moe_tail.md`` and ``moe_tail.png``
+to ``--out``.
 
-**(a) tp = 1 tail** ``shared + rms_norm(routed) @ up_w.T`` at each ``--tokens`` T (the
-fused tier's 1-16, and 32, 64 for context), each under CUDA-graph replay (median),
-inputs (weights included) rotated to outgrow L2:
-
-* ``eager``: the function as a model writes it (norm, then ``shared + h @ up_w.T``);
-* ``inductor``: default ``torch.compile`` of it (a norm kernel + cuBLAS ``addmm``);
-* ``kernel``: the fused kernel called directly (``k3fusion.kernels.moe_tail``, its
-  default launch config, any T <= 64);
-* ``op``: ``torch.ops.k3fusion.latent_moe_tail`` (tier selected per call: the kernel up
-  to its ``select_max_tokens``, 16, the replicated form above -- tp = 1);
-* the HBM floor: reading ``up_w``, the routed and shared rows and writing the output
-  once at 4.3 TB/s.
-
-The graph pass claims a tp = 1 tail only where the shared value is a projection output
-(``patterns/moe_tail.py``), so the compiled comparison uses the model form
-``act @ down_w.T + rms_norm(routed) @ up_w.T`` (the shared expert's down-projection,
-``[H, 2048]``, 29 MB): ``model_inductor`` vs ``model_k3fusion`` (``backend="k3fusion"``:
-one match, cuBLAS for the shared projection, the fused tail after it), with its own floor.
-
-Every variant is checked against ``k3fusion.reference.latent_moe_tail`` before timing.
-
-``--sweep`` also times the kernel at every launch config of a grid (``block_n`` x
-``split_k`` x ``num_warps`` x ``num_stages`` at the default ``block_k`` and
-``norm_block_k``; up to 4 tokens also a grid of the GEMV form: ``block_n`` x ``num_warps``
-x ``num_stages``, ``block_k`` from its accumulator budget; then ``block_k`` and
-``norm_block_k`` varied for the three fastest of either form) at each T <= 64, to choose
-``kernels.moe_tail.pick_launch_config``; ``--sweep-only`` runs just that (no compiles).
-
-**(b) column-parallel vs replicated up-projection GEMM** (the large-T tiers' GEMM cost on
-one GPU): for T in ``--tp-tokens`` and tp in ``--tps``, one rank's
-``out.narrow(-1, r*H/tp, H/tp).addmm_(h, up_w.narrow(0, r*H/tp, H/tp).t())`` against the
-full ``h @ up_w.T`` (speedup: ideally tp).
-
-Writes ``moe_tail.json``, ``moe_tail.md`` and ``moe_tail.png`` to ``--out``.
+How it measures (the variants, the floor, the sweep's grid):
+docs/bench-methods.md, section "``python -m k3fusion.bench.moe_tail``".
 """
 
 from __future__ import annotations

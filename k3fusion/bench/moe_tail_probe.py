@@ -4,48 +4,15 @@
 [--autotune-tokens T ...] [--budget-s S] [--skip-triton] [--skip-inductor] [--quick]
 [--dry-run]``
 
-For each T (default 1 2 4 8 16 32 64 128 512 4096), bf16, L 3584 -> H 7168, HF-style norm
-(eps 1e-6), CUDA-graph replay medians (``timing.cuda_graph_us``; inputs and weights rotated
-past L2), in us:
+For each T at Kimi-K3's widths, bf16, CUDA-graph replay medians of: the HBM floor, cuBLAS's
+GEMM alone, the unfused tiers' launch sequences, the op, the fused kernel's default launch
+and its candidate forms (:func:`candidates`), default and max-autotune Inductor. Every
+variant is checked against the reference once per T (a wrong one is flagged and never
+"best"). Writes ``DIR/moe_tail_probe.json`` and prints a compact table. ``--dry-run``:
+every variant at a tiny size in Triton's CPU interpreter, checked, not timed.
 
-* ``floor``: the HBM floor (every byte once at 4.3 TB/s);
-* ``gemm``: cuBLAS ``h @ up_w.T`` alone (``h`` normalized beforehand: the target);
-* ``norm``: the norm launch alone (``k3fusion::rms_norm``);
-* ``norm_addmm``: the norm launch + cuBLAS ``addmm(shared, h, up_w.T)`` (beta-add epilogue;
-  out of place, so torch copies ``shared`` into the output in a launch of its own first);
-* ``norm_mm_add``: the norm launch, ``h @ up_w.T``, ``shared +`` (three launches: the tp = 1
-  unfused tiers before issue 17's phase 2);
-* ``norm_copy_addmm``: ``k3fusion::rms_norm_and_copy`` (the norm's launch also copies
-  ``shared``) + ``addmm_`` into the copy (two launches: the tp = 1 unfused tiers now);
-* ``donated_addmm``: the norm launch + ``shared.addmm_(h, up_w.T)`` (a donated ``shared``:
-  no copy at all; each set's ``shared`` is a private clone, accumulated into by every replay);
-* ``op``: ``torch.ops.k3fusion.latent_moe_tail`` today (tier selected per call);
-* ``kernel``: the fused kernel's default launch (T <= 64);
-* ``tri:<label>``: the fused kernel's candidate forms (:func:`candidates`: ``pre_*`` the
-  norm as a prologue launch + split-K over every SM, ``pdl_*`` the same with the kernel
-  launched as the prologue's programmatic dependent, ``own_*`` split-K with each program's
-  own prologue, ``swap_*`` the swapped dot at 32-64 rows -- T <= 64, the GEMV form at
-  T = 1; ``rt_*`` row-tiled GEMMs with the prologue launch and the add in the epilogue --
-  T >= 64);
-* ``inductor`` / ``autotune``: default ``torch.compile`` / ``max-autotune-no-cudagraphs`` of
-  the tail as a model writes it (static shapes per T; autotune only at ``--autotune-tokens``,
-  and skipped once ``--budget-s`` is spent).
-
-Every variant is checked once per T (on up to ``CHECK_ROWS`` rows spread over T: the tail is
-row-wise) against the reference: the fused kernel's forms (``kernel``, ``tri:*``) within the
-kernel tests' bound (``tests/_tolerances.tail_tolerance``: about 1.5 output ulps on a GPU),
-the others (cuBLAS, Inductor, the op) within the tier tests' bound
-(``latent_tail_exact_and_bound``, bf16 unit roundoff; cuBLAS may sum in other orders);
-a wrong one is flagged (``!`` and the ``wrong`` column) and left out of "best". A candidate that fails to compile or
-launch (e.g. out of shared memory) is recorded with its error, not fatal.
-
-``--quick``: T 1 4 8 12 16 64 512 4096 (unless ``--tokens``), no Inductor compiles, and of
-the fused kernel's forms only ``QUICK_CANDIDATES`` (at 2 <= T <= 16) besides the baselines
-above (``norm_addmm`` left out): the one short confirmation run, predicted ~1-1.5 min.
-
-Writes ``DIR/moe_tail_probe.json`` (raw: every time, check ratio, error; date, GPU,
-versions) and prints a compact table last. ``--dry-run``: every variant at a tiny size on
-the CPU under ``TRITON_INTERPRET=1`` (set before k3fusion is imported), checked, not timed.
+How it measures (each variant, the checks' bounds, ``--quick``):
+docs/bench-methods.md, section "``python -m k3fusion.bench.moe_tail_probe``".
 """
 
 from __future__ import annotations

@@ -4,25 +4,15 @@
         [--tokens 1 4 16 64 256 1024 4096 16384] [--latent 3584] [--hidden 7168]
         [--dtype bfloat16] [--no-symm-mem] [--out DIR]
 
-One process per GPU, NCCL. For each T every rank draws its own partials (the replicated
-weights from one seed) and, for every tier ``k3fusion.moe_tail`` has at that T (forced:
-``replicated``, ``allreduce_overlap``, ``column_parallel``) plus the symmetric-memory
-fused tail (``k3fusion.moe_tail.symm_mem``, T <= its ``MAX_TOKENS``):
+One process per GPU, NCCL. For each T, every tier ``k3fusion.moe_tail`` has there (forced)
+and the symmetric-memory fused tail: checked against an fp64 tail of every rank's partials
+and bit for bit across ranks, then timed under CUDA-graph replay (the slowest rank's
+median). Rank 0 prints the crossovers (the fused-tail limit, the overlap threshold) and
+writes ``moe_tail_tp.json`` / ``.md`` / ``.png`` to ``--out``. NVLink multicast stays off
+unless the environment says otherwise.
 
-* checks correctness against the exact tail computed in fp64 from every rank's gathered
-  partials (max error relative to max |exact|), and that every rank's output is
-  bit-identical to rank 0's (the tiers all-reduce, so they must be);
-* checks that every rank's ``select_tier`` picks the same tier;
-* times it under CUDA-graph replay (``k3fusion.bench.timing.cuda_graph_us``: 20 calls per
-  graph, inputs rotated to outgrow L2), taking the slowest rank's median (a step waits for
-  the slowest rank).
-
-Rank 0 prints a markdown table with the crossovers -- the largest T up to which the
-symm-mem tail beats the best NCCL tier at every measured T (the fused-tail limit), and
-likewise the overlap tier against column-parallel (the overlap threshold) -- and writes
-``moe_tail_tp.json`` / ``.md`` / ``.png`` to ``--out``. With ``--nproc-per-node 1`` it is a
-one-GPU smoke check. NVLink multicast stays off unless the environment says otherwise
-(``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` by default).
+How it measures:
+docs/bench-methods.md, section "``torchrun --nproc-per-node N -m k3fusion.bench.moe_tail_tp``".
 """
 
 from __future__ import annotations

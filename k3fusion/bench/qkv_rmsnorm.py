@@ -2,14 +2,13 @@
 
 ``python -m k3fusion.bench.qkv_rmsnorm [--out DIR] [--sweep]``
 
-Shapes are Kimi-K3's: ``q_c [T, 1536]`` contiguous, ``kv_c`` the first 512 columns of a
-``[T, 576]`` row, bf16, HF-style norms. Side by side, in one process, each under CUDA-graph
-replay (median): eager (two norms), default ``torch.compile`` of the same function, the
-same compile with ``backend="k3fusion"``, and the fused op called directly. The HBM floor
-is reading both inputs and writing both outputs once at 4.3 TB/s.
+Kimi-K3's shapes, bf16, under CUDA-graph replay against the HBM floor: eager, default
+``torch.compile``, the same with ``backend="k3fusion"``, and the fused op. Writes
+``qkv_rmsnorm.json``, ``qkv_rmsnorm.md`` and ``qkv_rmsnorm.png`` to ``--out``. ``--sweep``
+also times every rows-per-program choice of the kernel (for its heuristic).
 
-Writes ``qkv_rmsnorm.json``, ``qkv_rmsnorm.md`` and ``qkv_rmsnorm.png`` to ``--out``.
-``--sweep`` also times every rows-per-program choice of the kernel (for its heuristic).
+How it measures (the shapes, the floor):
+docs/bench-methods.md, section "``python -m k3fusion.bench.qkv_rmsnorm``".
 """
 
 from __future__ import annotations
