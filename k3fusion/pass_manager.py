@@ -32,9 +32,9 @@ __all__ = ["K3FusionPass", "ComposedPass", "compose_with"]
 log = logging.getLogger("k3fusion")
 
 
-@functools.lru_cache(maxsize=None)
-def _source_digest() -> str:
-    """Hash of every source file whose change changes what the pass does."""
+def _digest_files() -> list[Path]:
+    """Every source file whose change changes what the pass does (or what tracing its ops
+    runs: their fake implementations and argument checks)."""
     files = sorted(Path(patterns.__file__).parent.glob("*.py"))
     root = Path(__file__).parent
     files += [root / name
@@ -42,8 +42,14 @@ def _source_digest() -> str:
     files += sorted((root / "ops").glob("*.py"))
     # the tail op's fake implementation and argument rules run while a graph is traced
     files += [root / "moe_tail" / "op.py", root / "moe_tail_args.py"]
+    return files
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest() -> str:
+    """Hash of :func:`_digest_files`."""
     h = hashlib.sha256()
-    for f in files:
+    for f in _digest_files():
         h.update(f.name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()

@@ -583,6 +583,35 @@ def test_uuid_tracks_config():
     assert pinned.uuid() == base != K3FusionPass().uuid()
 
 
+def test_cache_key_covers_every_op_definition_and_its_argument_checks():
+    """Tracing a graph with ``torch.ops.k3fusion.*`` runs their fake implementations and
+    argument checks: a change there must change the pass's cache key, or Inductor may serve
+    a graph traced with the old ones. Found from torch's op registry, so an op that moves to
+    another module is still covered."""
+    import sys
+    from pathlib import Path
+
+    from torch._library.custom_ops import OPDEFS
+
+    from k3fusion.pass_manager import _digest_files
+
+    hashed = {f.resolve() for f in _digest_files()}
+    needed, ops = {}, set()
+    for qualname, opdef in OPDEFS.items():
+        if not qualname.startswith("k3fusion::"):
+            continue
+        ops.add(qualname)
+        module = sys.modules[opdef._init_fn.__module__]
+        needed[Path(module.__file__).resolve()] = qualname
+        for value in vars(module).values():  # the argument-check modules it calls into
+            home = getattr(value, "__module__", None) or ""
+            if callable(value) and home.startswith("k3fusion.") and home.endswith("_args"):
+                needed[Path(sys.modules[home].__file__).resolve()] = qualname
+    assert len(ops) >= 6 and needed  # every op found
+    missing = {str(f): q for f, q in needed.items() if f not in hashed}
+    assert not missing, missing
+
+
 class UserPass(CustomGraphPass):
     """A user's own post-grad pass: records what it saw."""
 
