@@ -18,6 +18,7 @@ Each form's design and the interpreter's constraints: docs/design-notes.md, "ker
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -269,19 +270,24 @@ class LaunchConfig:
     pdl: bool = False
 
 
-_num_sms_cache: dict[int, int] = {}
-
 #: SMs assumed where there is no GPU to ask (the interpreter): a full Hopper's.
 _DEFAULT_SMS = 132
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_properties(index: int):
+    # Asked once per device: every default launch reads them (a decode step's launch path).
+    return torch.cuda.get_device_properties(index)
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _DEFAULT_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _num_sms_cache:
-        _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _num_sms_cache[index]
+    return _cuda_properties(_cuda_index(device)).multi_processor_count
 
 
 def _block_m(tokens: int, gemv: bool = False) -> int:
@@ -366,8 +372,10 @@ def pdl_available(device: torch.device) -> bool:
     interpreter runs the PDL form as plain ``prenorm``."""
     if device.type == "cpu":
         return True
-    return (device.type == "cuda" and torch.version.hip is None and gdc_wait is not None
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    if device.type != "cuda" or torch.version.hip is not None or gdc_wait is None:
+        return False
+    props = _cuda_properties(_cuda_index(device))
+    return (props.major, props.minor) >= (9, 0)
 
 
 #: Most bytes of weight-tile pipeline stages for which the automatic choice swaps the dot's
