@@ -10,7 +10,12 @@ import triton
 import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "check_launchable", "counter_buffer",
-           "on_tensor_device", "TL_DTYPES"]
+           "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait"]
+
+try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: launchers refuse pdl=True
+    gdc_launch_dependents = gdc_wait = None
 
 #: The Triton dtype of each torch dtype a kernel takes as a constexpr (rounding targets).
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -9,9 +9,9 @@ norm kernel, then a cuBLAS ``addmm``; this kernel does both in one pass over ``u
 Grid: ``(cdiv(H, BLOCK_N), SPLIT_K)``: a norm prologue over the token rows, a main loop
 streaming ``up_w`` tiles against the normalized, rounded token tile, and an epilogue
 adding ``shared`` in fp32 (one rounding). Constexpr forms of the same kernel: ``SPLIT_K``,
-``SWAP_AB``, ``GEMV``, ``INV_RMS_IN`` / ``PDL`` (prologue launch), row
-tiles (``M_FIRST``), ``DOT_IN_FP32`` (the interpreter); :func:`pick_launch_config`
-picks the default :class:`LaunchConfig`.
+``SWAP_AB``, ``GEMV``, ``NORMED_IN`` / ``INV_RMS_IN`` / ``PDL`` (a norm or 1/rms launch
+first), row tiles (``M_FIRST``), ``DOT_IN_FP32`` (the interpreter);
+:func:`pick_launch_config` picks the default :class:`LaunchConfig`.
 
 Each form's design and the interpreter's constraints: docs/design-notes.md, "kernels/moe_tail.py".
 """
@@ -28,13 +28,9 @@ import triton.language as tl
 from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
-
-try:  # programmatic dependent launch (sm_90+): the prenorm pair's overlap, launch option pdl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # an older Triton: pdl=True is refused at launch
-    gdc_launch_dependents = gdc_wait = None
 from ._launch import (TL_DTYPES, _kernels_are_interpreted, cdiv, counter_buffer,
-                      interpreter_enabled, on_tensor_device)
+                      gdc_launch_dependents, gdc_wait, interpreter_enabled, on_tensor_device)
+from .rms_norm import rms_norm
 
 __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_fused",
            "check_fused_tail_args"]
@@ -90,6 +86,7 @@ def _moe_tail_kernel(
     INV_RMS_IN: tl.constexpr = False,  # 1/rms from a prologue launch (_row_inv_rms_kernel)
     M_FIRST: tl.constexpr = False,     # grid (m tiles, SPLIT_K, n tiles): row tiles fastest
     PDL: tl.constexpr = False,         # launched as the prologue's programmatic dependent
+    NORMED_IN: tl.constexpr = False,   # x_ptr holds the GEMM input h (a norm launch's output)
 ):
     if PDL:
         # Launched while the prologue launch still runs: wait for it (and, through it, for
@@ -116,7 +113,9 @@ def _moe_tail_kernel(
     # ---- 1. norm prologue: sum of squares over the full row (all of L, whatever split).
     # Pipelined explicitly: a loop without a dot is not pipelined by default, and every
     # step would then wait a full L2 round trip before the weight stream even starts.
-    if INV_RMS_IN:
+    if NORMED_IN:
+        inv_rms = 0.0  # the rows arrive normalized, weighted and rounded: nothing to do
+    elif INV_RMS_IN:
         # Computed once per row by a prologue launch: no program re-reads the rows for it,
         # so split-K can spread the weight stream over every SM without a prologue each.
         inv_rms = tl.load(rinv_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -154,16 +153,20 @@ def _moe_tail_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < L
         x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        normed = x.to(tl.float32) * inv_rms[:, None]
-        if WEIGHT_IN_FP32:
-            h = normed * w[None, :]
+        if NORMED_IN:
+            # Straight from memory into the dot: no per-program work on the token tile.
+            a = x
         else:
-            # The eager graph rounds the normalized row (to the input dtype, unless
-            # norm_dtype says otherwise) before weighting.
-            h = normed.to(NORM_DTYPE).to(tl.float32) * w[None, :]
-        # The GEMM input the reference hands cuBLAS: h in up_w's dtype.
-        a = h.to(up_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            normed = x.to(tl.float32) * inv_rms[:, None]
+            if WEIGHT_IN_FP32:
+                h = normed * w[None, :]
+            else:
+                # The eager graph rounds the normalized row (to the input dtype, unless
+                # norm_dtype says otherwise) before weighting.
+                h = normed.to(NORM_DTYPE).to(tl.float32) * w[None, :]
+            # The GEMM input the reference hands cuBLAS: h in up_w's dtype.
+            a = h.to(up_ptr.dtype.element_ty)
         b = tl.load(up_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         if GEMV:
             # Products of 16-bit values are exact in fp32, as in the tensor-core dot.
@@ -265,9 +268,14 @@ class LaunchConfig:
     block_m: int = 0
     #: Row tiles as the fastest grid dimension (programs in flight share weight columns).
     m_first: bool = False
-    #: ``prenorm`` only: launch the tail kernel as the prologue's programmatic dependent
-    #: (sm_90+; no launch gap between the two). The interpreter runs it as plain prenorm.
+    #: ``prenorm`` or ``normed_rows`` only: launch the tail kernel as the prologue's
+    #: programmatic dependent (sm_90+; no launch gap between the two). The interpreter runs
+    #: the two launches one after the other.
     pdl: bool = False
+    #: Every row normalized by a norm launch (``kernels/rms_norm.py``: the same roundings)
+    #: into a ``[T, L]`` buffer in ``up_w``'s dtype; the tail kernel is then a GEMM + add on
+    #: it, its token tiles going straight from memory into the dot.
+    normed_rows: bool = False
 
 
 #: SMs assumed where there is no GPU to ask (the interpreter): a full Hopper's.
@@ -327,9 +335,9 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     once for more weight columns, and more weight bytes in flight per program. Below 64
     tiles (small ``H``) split-K fills the SMs. fp32 weights: ``block_k`` 64 (their dot
     runs on FMA units, not tensor cores), 3 stages. Up to :data:`PDL_MAX_BLOCK_M` token
-    rows (16-bit weights, no split-K): every row's 1/rms in a prologue launch and the tail
-    kernel launched as its programmatic dependent (``prenorm``, ``pdl``), where
-    :func:`pdl_available`.
+    rows (16-bit weights, no split-K): every row normalized by a norm launch and the tail
+    kernel, a GEMM + add on those rows, launched as its programmatic dependent
+    (``normed_rows``, ``pdl``), where :func:`pdl_available`.
     """
     two_byte = dtype in (torch.bfloat16, torch.float16)
     if gemv is None:
@@ -347,23 +355,24 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     split_k = 1
     if tiles < 64:
         split_k = max(1, min(8, cdiv(num_sms, tiles), cdiv(latent, block_k)))
-    # swap_ab: the weight tile as the dot's M side (docs/experiments.md). Measured at
-    # BLOCK_M = 16 only (T <= 16), and only for tiles whose pipeline fits (_resolve_config).
+    # swap_ab: the weight tile as the dot's M side (docs/experiments.md), measured faster
+    # at BLOCK_M = 16 and 32, and only for tiles whose pipeline fits (_resolve_config).
     if gemv:
         return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3,
                             split_k=split_k, norm_block_k=norm_block_k, gemv=True)
-    # 1/rms from a prologue launch, the tail kernel its programmatic dependent: the second
-    # launch's start hides behind the first (_resolve_config drops it where PDL is absent).
+    # The rows normalized by a norm launch, the tail kernel its programmatic dependent: the
+    # second launch's start hides behind the first (_resolve_config drops it where PDL is
+    # absent).
     pdl = two_byte and block_m <= PDL_MAX_BLOCK_M and split_k == 1
     return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4,
                         num_stages=4 if two_byte else 3, split_k=split_k,
                         norm_block_k=norm_block_k,
-                        swap_ab=two_byte and block_m == 16, prenorm=pdl, pdl=pdl)
+                        swap_ab=two_byte and block_m in (16, 32), normed_rows=pdl, pdl=pdl)
 
 
-#: Dot-form launches of up to this many token rows take the PDL prologue form by default
-#: (docs/experiments.md, "Latent-MoE tail vs cuBLAS (issue 17), 2026-12-02", "Defaults taken from the run").
-PDL_MAX_BLOCK_M = 16
+#: Dot-form launches of up to this many token rows take the PDL norm-launch form by default
+#: (docs/experiments.md, "2026-12-02 (evening): the tail as a norm launch + a GEMM").
+PDL_MAX_BLOCK_M = 32
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -399,7 +408,7 @@ def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
 def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
                     num_stages=0, split_k=0, norm_block_k=0,
                     swap_ab=None, gemv=None, prenorm=None, block_m=0,
-                    m_first=None, pdl=None) -> LaunchConfig:
+                    m_first=None, pdl=None, normed_rows=None) -> LaunchConfig:
     _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
     _check_option("block_k", block_k, power_of_two=True, low=16, high=1024)
     _check_option("norm_block_k", norm_block_k, power_of_two=True, low=16, high=8192)
@@ -410,14 +419,17 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     if block_m and block_m < 16 and not gemv:
         raise ValueError(f"block_m={block_m}: a tensor-core dot takes >= 16 token rows "
                          "(block_m < 16 needs gemv=True)")
-    if pdl and not prenorm:
-        raise ValueError("pdl=True overlaps the prenorm prologue launch with the tail kernel: "
-                         "it needs prenorm=True")
+    if pdl and not (prenorm or normed_rows):
+        raise ValueError("pdl=True overlaps a prologue launch with the tail kernel: it needs "
+                         "prenorm=True or normed_rows=True")
+    if prenorm and normed_rows:
+        raise ValueError("prenorm=True (1/rms from a prologue launch) and normed_rows=True (the "
+                         "normalized rows from a norm launch) are two prologue forms: ask for one")
     if swap_ab and gemv:
         raise ValueError("swap_ab=True orders a tensor-core dot's operands; gemv=True has no "
                          "dot: ask for one or the other")
     asked = (any((block_n, block_k, num_warps, num_stages, split_k, norm_block_k, block_m))
-             or any(v is not None for v in (swap_ab, gemv, prenorm, m_first, pdl)))
+             or any(v is not None for v in (swap_ab, gemv, prenorm, m_first, pdl, normed_rows)))
     if swap_ab is not None and gemv is None:
         gemv = False  # a dot operand order asked for (either one): the dot form
     auto = pick_launch_config(tokens, hidden, latent, dtype, _num_sms(device), gemv)
@@ -439,16 +451,18 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
         swap_ab = (auto.swap_ab
                    and block_n * block_k * dtype.itemsize * num_stages <= SWAP_AB_SMEM_BYTES)
     if not asked:
-        # Nothing asked for: the default's PDL prologue form where PDL runs (without it the
-        # prologue is only one launch more); any launch option asks for the one-launch form
-        # unless it names prenorm / pdl too (the sweeps time those shapes as they were).
-        prenorm = pdl = auto.pdl and pdl_available(device)
+        # Nothing asked for: the default's PDL norm-launch form where PDL runs (without it
+        # the norm is only one launch more); any launch option asks for the one-launch form
+        # unless it names normed_rows / prenorm / pdl too (the sweeps time those shapes as
+        # they were).
+        normed_rows = pdl = auto.pdl and pdl_available(device)
     return LaunchConfig(block_n=block_n, block_k=block_k,
                         num_warps=num_warps or auto.num_warps,
                         num_stages=num_stages, split_k=split,
                         norm_block_k=norm_block_k or auto.norm_block_k,
                         swap_ab=swap_ab, gemv=auto.gemv, prenorm=bool(prenorm),
-                        block_m=block_m, m_first=bool(m_first), pdl=bool(pdl))
+                        block_m=block_m, m_first=bool(m_first), pdl=bool(pdl),
+                        normed_rows=bool(normed_rows))
 
 
 # ---------------------------------------------------------------------- arguments
@@ -505,18 +519,21 @@ def latent_moe_tail_fused(
     block_m: int = 0,
     m_first: bool | None = None,
     pdl: bool | None = None,
+    normed_rows: bool | None = None,
 ) -> torch.Tensor:
     """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
     launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype.
 
     Inputs as :func:`check_fused_tail_args` says (validated before launch; never
     modified). Launch options of 0 (``swap_ab``, ``gemv``: None) take
-    :func:`pick_launch_config`'s choice. ``prenorm``: every row's 1/rms in a prologue
-    launch (two launches; ``pdl``: the second as the first's programmatic dependent). ``block_m``: token rows per program, tiling T (any T then, not
-    only up to ``MAX_TOKENS``); ``m_first``: row tiles as the fastest grid dimension.
+    :func:`pick_launch_config`'s choice. ``normed_rows``: every row normalized by a norm
+    launch, the tail kernel a GEMM + add on them; ``prenorm``: every row's 1/rms in a
+    prologue launch (either: two launches; ``pdl``: the second as the first's programmatic
+    dependent). ``block_m``: token rows per program, tiling T (any T then, not only up to
+    ``MAX_TOKENS``); ``m_first``: row tiles as the fastest grid dimension.
     """
-    for name, flag in (("swap_ab", swap_ab), ("gemv", gemv),
-                       ("prenorm", prenorm), ("m_first", m_first), ("pdl", pdl)):
+    for name, flag in (("swap_ab", swap_ab), ("gemv", gemv), ("prenorm", prenorm),
+                       ("m_first", m_first), ("pdl", pdl), ("normed_rows", normed_rows)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
     if isinstance(block_m, bool) or not isinstance(block_m, int):
@@ -527,7 +544,7 @@ def latent_moe_tail_fused(
     hidden = up_w.shape[0]
     cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
                           block_k, num_warps, num_stages, split_k, norm_block_k,
-                          swap_ab, gemv, prenorm, block_m, m_first, pdl)
+                          swap_ab, gemv, prenorm, block_m, m_first, pdl, normed_rows)
     out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
         return out
@@ -547,6 +564,12 @@ def latent_moe_tail_fused(
     if pdl_on and gdc_wait is None:
         raise RuntimeError("pdl=True needs a Triton with triton.language.extra.cuda.gdc_wait")
     pdl_kw = {"launch_pdl": True} if pdl_on else {}
+    rows_in = routed_latent
+    if cfg.normed_rows:
+        # The GEMM input as the reference rounds it, in up_w's dtype (L2-resident at decode).
+        rows_in = torch.empty((tokens, latent), dtype=up_w.dtype, device=up_w.device)
+        rms_norm(routed_latent, norm_w, eps, rows_in, bool(weight_in_fp32), norm_dtype,
+                 pdl_primary=pdl_on)
     if cfg.prenorm:
         rinv = torch.empty(tokens, dtype=torch.float32, device=up_w.device)
         rows = 4  # rows per prologue program
@@ -556,7 +579,7 @@ def latent_moe_tail_fused(
             PDL=pdl_on, num_warps=4)
     grid = (m_tiles, cfg.split_k, tiles) if cfg.m_first else (tiles, cfg.split_k, m_tiles)
     _moe_tail_kernel[grid](
-        routed_latent, routed_latent.stride(0),
+        rows_in, rows_in.stride(0),
         norm_w,
         up_w, up_w.stride(0),
         shared, shared.stride(0),
@@ -581,6 +604,7 @@ def latent_moe_tail_fused(
         INV_RMS_IN=cfg.prenorm,
         M_FIRST=cfg.m_first,
         PDL=pdl_on,
+        NORMED_IN=cfg.normed_rows,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_kw,

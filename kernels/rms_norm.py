@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import TL_DTYPES, cdiv, check_launchable, on_tensor_device
+from ._launch import TL_DTYPES, cdiv, check_launchable, gdc_launch_dependents, on_tensor_device
 
 __all__ = ["rms_norm", "pick_launch_shape"]
 
@@ -78,11 +78,16 @@ def _rms_norm_kernel(
     COPY: tl.constexpr,
     COPY_BLOCK: tl.constexpr,
     COPY_ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The first ``cdiv(n_rows, ROWS)`` programs normalize rows. With ``COPY`` the programs
     after them copy ``src [n_rows, n_copy_cols]`` into ``dst``, ``COPY_ROWS`` rows each: the
     tail's unfused tiers get the buffer cuBLAS beta-adds into from the norm's own launch
-    (separate programs, so the copy's loads are in flight with the norm's, not after them)."""
+    (separate programs, so the copy's loads are in flight with the norm's, not after them).
+    ``PDL``: let the next kernel, launched as this one's programmatic dependent, start now
+    (it waits for this grid's results before reading them)."""
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     n_norm = tl.cdiv(n_rows, ROWS)
     if pid < n_norm:
@@ -118,12 +123,15 @@ def pick_launch_shape(block_cols: int, rows_per_program: int = 0,
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
              weight_in_fp32: bool = False, norm_dtype: torch.dtype | None = None,
              rows_per_program: int = 0, num_warps: int = 0,
-             copy: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+             copy: tuple[torch.Tensor, torch.Tensor] | None = None,
+             pdl_primary: bool = False) -> None:
     """Launch on the 2-D row view ``x [T, N]`` into the preallocated ``y [T, N]`` (any row
     strides, last dims contiguous). ``norm_dtype``: cast-then-weight's rounding dtype when
     it is not ``x``'s. ``copy=(src, dst)``: also copy ``src [T, M]`` into ``dst [T, M]``
-    (one dtype, any row strides, last dims contiguous) in the same launch. Arguments are
-    validated by the caller; this checks only what the launch itself needs."""
+    (one dtype, any row strides, last dims contiguous) in the same launch.
+    ``pdl_primary``: the next launch is this one's programmatic dependent (CUDA sm_90+; the
+    caller checks). Arguments are validated by the caller; this checks only what the
+    launch itself needs."""
     src, dst = (x, y) if copy is None else copy
     check_launchable(x, w, y, src, dst)
     if x.dim() != 2 or y.shape != x.shape:
@@ -158,5 +166,5 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
         src, dst, src.stride(0), dst.stride(0), n_copy,
         BLOCK_COLS=block, ROWS=rows, WEIGHT_IN_FP32=bool(weight_in_fp32),
         ROUND_DTYPE=TL_DTYPES[round_dtype], COPY=n_copy > 0, COPY_BLOCK=copy_block,
-        COPY_ROWS=copy_rows, num_warps=warps,
+        COPY_ROWS=copy_rows, PDL=bool(pdl_primary), num_warps=warps,
     )

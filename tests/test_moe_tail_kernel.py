@@ -111,6 +111,7 @@ LAUNCH = st.fixed_dictionaries({
     "norm_block_k": st.sampled_from([0, 16, 64]),
     "swap_ab": st.sampled_from([None, False, True]),
     "gemv": st.sampled_from([None, False, True]),
+    "normed_rows": st.sampled_from([None, False, True]),
 })
 
 
@@ -169,12 +170,15 @@ def test_kernel_matches_reference(c, opts, seed):
     run_and_check(c, seed, opts)
 
 
-@given(c=cases(tokens=st.sampled_from([1, 3, 16])), seed=st.integers(0, 2**31 - 1))
-def test_normalized_tile_is_formed_as_the_reference_rounds_it(c, seed):
+@pytest.mark.parametrize("form", [{}, {"normed_rows": True}, {"normed_rows": False}],
+                         ids=["default", "norm-launch", "one-launch"])
+@given(c=cases(tokens=st.sampled_from([1, 3, 16, 32])), seed=st.integers(0, 2**31 - 1))
+def test_normalized_tile_is_formed_as_the_reference_rounds_it(form, c, seed):
     """With ``up_w`` a 0/1 selection (row n picks column ``n % L``) and ``shared`` 0 the
     GEMM is exact, so the output *is* the kernel's normalized tile: it must pass the
     RMSNorm kernels' own test (``assert_matches_reference``, including the check that
-    cast-then-weight rounds the normalized row to the input dtype before weighting)."""
+    cast-then-weight rounds the normalized row to the input dtype before weighting), in
+    the tile formed per program and in the norm launch's rows alike."""
     latent = min(c.latent, 64)
     hidden = latent + c.hidden % 8
     # (a zero row with eps = 0 is NaN, which assert_matches_reference does not take)
@@ -183,7 +187,7 @@ def test_normalized_tile_is_formed_as_the_reference_rounds_it(c, seed):
     up = torch.zeros(hidden, latent, dtype=c.out_dtype, device=x.device)
     up[torch.arange(hidden), torch.arange(hidden) % latent] = 1
     s = torch.zeros(c.tokens, hidden, dtype=c.out_dtype, device=x.device)
-    y = launch(x, s, w, c.eps, up, weight_in_fp32=c.weight_in_fp32)
+    y = launch(x, s, w, c.eps, up, weight_in_fp32=c.weight_in_fp32, **form)
     assert_matches_reference(y[:, :latent], x, w, c.eps, c.weight_in_fp32,
                              bf16_casts_truncate=INTERPRETED, msg=str(c))
     torch.testing.assert_close(y, y[:, torch.arange(hidden) % latent], rtol=0, atol=0,
@@ -199,6 +203,7 @@ def test_more_than_16_tokens(tokens, dtype):
 
 ROW_TILED = st.fixed_dictionaries({
     "prenorm": st.sampled_from([None, False, True]),
+    "normed_rows": st.sampled_from([None, False, True]),
     "block_m": st.sampled_from([0, 16, 32]),
     "m_first": st.booleans(),
     "split_k": st.sampled_from([0, 1, 3]),
@@ -212,21 +217,28 @@ ROW_TILED = st.fixed_dictionaries({
 @given(c=cases(tokens=st.sampled_from([1, 5, 16, 17, 40, 70])), opts=ROW_TILED,
        seed=st.integers(0, 2**31 - 1))
 @example(c=Case(70, 72, 40, torch.bfloat16, False, False, 1e-6, 0, 8, 0, 0, True),
-         opts={"prenorm": True, "block_m": 32, "m_first": False, "split_k": 3,
+         opts={"normed_rows": None, "prenorm": True, "block_m": 32, "m_first": False, "split_k": 3,
                "block_n": 16, "block_k": 16, "swap_ab": None}, seed=11)  # 3 row tiles, split-K
 @example(c=Case(40, 100, 48, torch.bfloat16, False, False, 1e-5, -6, 0, 8, 3, False),
-         opts={"prenorm": False, "block_m": 16, "m_first": True, "split_k": 2,
+         opts={"normed_rows": None, "prenorm": False, "block_m": 16, "m_first": True, "split_k": 2,
                "block_n": 32, "block_k": 32, "swap_ab": True}, seed=12)  # row tiles fastest
+@example(c=Case(70, 100, 48, torch.float16, True, False, 1e-5, -6, 8, 0, 3, True),
+         opts={"normed_rows": True, "prenorm": None, "block_m": 32, "m_first": True,
+               "split_k": 3, "block_n": 16, "block_k": 16, "swap_ab": None},
+         seed=14)  # the norm launch's rows: row tiles, split-K, fp32 weight
 @example(c=Case(5, 129, 17, torch.float16, True, False, 0.0, 6, 1, 1, 0, True),
-         opts={"prenorm": True, "block_m": 0, "m_first": False, "split_k": 5,
+         opts={"normed_rows": None, "prenorm": True, "block_m": 0, "m_first": False, "split_k": 5,
                "block_n": 16, "block_k": 16, "swap_ab": None}, seed=13)  # eps 0, zero row: NaN
 def test_prenorm_and_row_tiles_match_reference(c, opts, seed):
-    """The probe's candidate forms (issue 17): 1/rms from a prologue launch (``prenorm``),
+    """The probe's candidate forms (issue 17): the rows normalized by a norm launch
+    (``normed_rows``), 1/rms from a prologue launch (``prenorm``),
     T tiled into ``block_m`` row tiles (any T, a third grid dimension, split-K counters per
     (row tile, column tile)), ``m_first`` grid order -- the spec's normalized tile and the
     same bound as the default form."""
     if c.tokens > MAX_TOKENS and not opts["block_m"]:
         opts = {**opts, "block_m": 32}
+    if opts["prenorm"] and opts["normed_rows"]:  # two prologue forms: one at a time
+        opts = {**opts, "prenorm": None}
     run_and_check(c, seed, opts)
 
 
@@ -258,6 +270,9 @@ def test_row_inv_rms_prologue_matches_reference_norm():
     ({"block_m": 24}, ValueError, "power of two"),
     ({"block_m": True}, TypeError, "block_m must be an int"),
     ({"prenorm": 1}, TypeError, "prenorm must be a bool"),
+    ({"normed_rows": 1}, TypeError, "normed_rows must be a bool"),
+    ({"prenorm": True, "normed_rows": True}, ValueError, "two prologue forms"),
+    ({"pdl": True}, ValueError, "needs prenorm=True or normed_rows=True"),
     ({"m_first": "yes"}, TypeError, "m_first must be a bool"),
 ])
 def test_row_tiled_option_errors(opts, exc, match):
@@ -299,7 +314,8 @@ def test_launch_config_heuristic():
     assert (cfg.block_n, cfg.split_k) == (64, 1)  # the H200 sweep's best: 112 column tiles
     assert cfg.swap_ab  # measured best operand order for 16-bit
     assert not kernel_mod.pick_launch_config(4, 7168, 3584, torch.float32, 132).swap_ab
-    assert not kernel_mod.pick_launch_config(17, 7168, 3584, torch.bfloat16, 132).swap_ab
+    assert kernel_mod.pick_launch_config(17, 7168, 3584, torch.bfloat16, 132).swap_ab
+    assert not kernel_mod.pick_launch_config(33, 7168, 3584, torch.bfloat16, 132).swap_ab
     # ... and not where its weight-tile stages would not fit in shared memory
     cpu = torch.device("cpu")
     big = kernel_mod._resolve_config(4, 7168, 3584, torch.bfloat16, cpu, block_n=128)
@@ -318,32 +334,38 @@ def test_launch_config_heuristic():
     assert kernel_mod.pick_launch_config(64, 7168, 3584, torch.bfloat16).norm_block_k == 128
 
 
-def test_launch_config_takes_the_pdl_prologue_form_up_to_16_rows(monkeypatch):
-    """Issue 17: from 2 to 16 tokens (16-bit weights, no split-K) the default is the
-    prologue launch + programmatic dependent; one token stays GEMV, 17 the plain dot."""
+def test_launch_config_takes_the_norm_launch_form_from_2_to_32_rows(monkeypatch):
+    """Issue 17: from 2 to 32 tokens (16-bit weights, no split-K) the default is a norm
+    launch + the tail kernel as a GEMM + add, its programmatic dependent; one token stays
+    GEMV, 33 the plain dot with the kernel's own norm prologue."""
     pick = kernel_mod.pick_launch_config
-    for t in (2, 8, 16):
+    assert kernel_mod.PDL_MAX_BLOCK_M == 32
+    for t in (2, 8, 16, 17, 32):
         cfg = pick(t, 7168, 3584, torch.bfloat16, 132)
-        assert cfg.prenorm and cfg.pdl and cfg.swap_ab and cfg.split_k == 1, (t, cfg)
+        assert cfg.normed_rows and cfg.pdl and cfg.swap_ab and cfg.split_k == 1, (t, cfg)
+        assert not cfg.prenorm, (t, cfg)
     for cfg in (pick(1, 7168, 3584, torch.bfloat16, 132),      # GEMV
-                pick(17, 7168, 3584, torch.bfloat16, 132),     # 32 token rows
+                pick(33, 7168, 3584, torch.bfloat16, 132),     # 64 token rows
                 pick(4, 7168, 3584, torch.float32, 132),       # fp32 weights
                 pick(4, 512, 3584, torch.bfloat16, 132)):      # split-K (8 tiles)
-        assert not (cfg.prenorm or cfg.pdl), cfg
+        assert not (cfg.normed_rows or cfg.prenorm or cfg.pdl), cfg
     resolve = kernel_mod._resolve_config
     cpu = torch.device("cpu")
     auto = resolve(4, 7168, 3584, torch.bfloat16, cpu)
-    assert auto.prenorm and auto.pdl  # the interpreter runs it as plain prenorm
+    assert auto.normed_rows and auto.pdl  # the interpreter runs the launches in turn
     # anything asked for about the form or the grid: as asked, no PDL unless asked
-    for opts in ({"prenorm": False}, {"prenorm": True}, {"split_k": 2}, {"block_n": 32},
-                 {"block_n": 64}, {"num_stages": 4}, {"swap_ab": True}, {"block_m": 16}):
+    for opts in ({"prenorm": False}, {"prenorm": True}, {"normed_rows": True},
+                 {"normed_rows": False}, {"split_k": 2}, {"block_n": 32}, {"block_n": 64},
+                 {"num_stages": 4}, {"swap_ab": True}, {"block_m": 16}):
         cfg = resolve(4, 7168, 3584, torch.bfloat16, cpu, **opts)
         assert not cfg.pdl and cfg.prenorm == bool(opts.get("prenorm")), (opts, cfg)
+        assert cfg.normed_rows == bool(opts.get("normed_rows")), (opts, cfg)
     assert resolve(4, 7168, 3584, torch.bfloat16, cpu, prenorm=True, pdl=True).pdl
+    assert resolve(4, 7168, 3584, torch.bfloat16, cpu, normed_rows=True, pdl=True).pdl
     # where PDL does not run (before sm_90): the kernel's own norm prologue, one launch
     monkeypatch.setattr(kernel_mod, "pdl_available", lambda device: False)
     cfg = resolve(4, 7168, 3584, torch.bfloat16, cpu)
-    assert not (cfg.prenorm or cfg.pdl)
+    assert not (cfg.normed_rows or cfg.prenorm or cfg.pdl)
 
 
 def test_launch_config_takes_the_gemv_form_for_one_16_bit_token():
@@ -488,18 +510,18 @@ def test_supports_on_a_cuda_device_object():
     assert "'cpu'" in impl.supports(4, 7168, 1, torch.device("cpu"))
 
     assert moe_tail.select_tier(1, 7168, 1, cuda) is Tier.TAIL_FUSION
-    # selection stops at the kernel's measured select_max_tokens (8), below its limit
+    # selection stops at the kernel's measured select_max_tokens (32), below its limit
     # and below config.fused_tail_max_tokens; forcing the tier runs it up to its limit.
-    # The boundary is checked on both sides of the constant (docs/experiments.md, "Latent-MoE
-    # tail vs cuBLAS (issue 17), 2026-12-02", says how the probe's --quick run would move it).
+    # The boundary is checked on both sides of the constant (docs/experiments.md,
+    # "2026-12-02 (evening): the tail as a norm launch + a GEMM", the run that moved it).
     most = moe_tail.TRITON_SELECT_MAX_TOKENS
-    assert impl.select_max_tokens == most == 8
+    assert impl.select_max_tokens == most == 32
     assert moe_tail.select_tier(most, 7168, 1, cuda) is Tier.TAIL_FUSION
     assert moe_tail.select_tier(most + 1, 7168, 1, cuda) is Tier.REPLICATED
     lowered = FusionConfig(fused_tail_max_tokens=4)
     assert moe_tail.select_tier(5, 7168, 1, cuda, lowered) is Tier.REPLICATED
     assert moe_tail.select_tier(4, 7168, 1, cuda, lowered) is Tier.TAIL_FUSION
-    assert moe_tail.select_tier(17, 7168, 1, cuda, force="tail_fusion") is Tier.TAIL_FUSION
+    assert moe_tail.select_tier(most + 1, 7168, 1, cuda, force="tail_fusion") is Tier.TAIL_FUSION
     assert moe_tail.select_tier(0, 7168, 1, cuda) is Tier.REPLICATED  # no fused tail, no overlap at T = 0
     assert moe_tail.select_tier(4, 7168, 2, cuda) is Tier.COLUMN_PARALLEL
     with pytest.raises(TierUnavailableError, match=r"tail_fusion.*triton: tp=2"):
@@ -718,7 +740,7 @@ for split, swap, gemv in ((1, False, 0), (4, False, 0), (1, True, 0), (2, True, 
                  NORM_BLOCK_K=512, SPLIT_K=split, SWAP_AB=swap,
                  GEMV=bool(gemv), NUM_STAGES=3 if gemv else 4, WEIGHT_IN_FP32=False,
                  DOT_IN_FP32=False, GPU_FENCE=True, NORM_DTYPE=triton.language.bfloat16,
-                 INV_RMS_IN=False, M_FIRST=False, PDL=False)
+                 INV_RMS_IN=False, M_FIRST=False, PDL=False, NORMED_IN=False)
     ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32", "rinv_ptr": "*fp32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n == "eps" else "i32" for n in names}
@@ -749,6 +771,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3fusion.kernels.moe_tail import _moe_tail_kernel as k, _row_inv_rms_kernel as pro
+from k3fusion.kernels.rms_norm import _rms_norm_kernel as norm
 
 def build(kernel, const, ptrs, warps, stages):
     names = [p.name for p in kernel.params]
@@ -765,32 +788,44 @@ def build(kernel, const, ptrs, warps, stages):
                           options={"num_warps": warps, "num_stages": stages})
 
 ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32", "rinv_ptr": "*fp32"}
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, SWAP_AB, M_FIRST, PDL, warps, stages): the probe's
-# prenorm split-K at decode and its row-tiled GEMMs
-for bm, bn, bk, split, swap, mfirst, pdl, nw, ns in (
-        (16, 64, 256, 4, True, False, True, 4, 4), (64, 64, 256, 2, True, False, False, 4, 3),
-        (128, 128, 64, 1, False, True, True, 8, 4), (128, 256, 64, 1, False, False, False, 8, 3)):
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, SWAP_AB, M_FIRST, PDL, NORMED_IN, warps, stages):
+# the probe's prenorm split-K at decode, its row-tiled GEMMs, and the default norm-launch
+# form at 16 and 32 token rows
+for bm, bn, bk, split, swap, mfirst, pdl, normed, nw, ns in (
+        (16, 64, 256, 4, True, False, True, False, 4, 4),
+        (64, 64, 256, 2, True, False, False, False, 4, 3),
+        (128, 128, 64, 1, False, True, True, False, 8, 4),
+        (128, 256, 64, 1, False, False, False, False, 8, 3),
+        (16, 64, 256, 1, True, False, True, True, 4, 4),
+        (32, 64, 256, 1, True, False, True, True, 4, 4)):
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK_K=512, SPLIT_K=split,
                  SWAP_AB=swap, GEMV=False, NUM_STAGES=ns,
                  WEIGHT_IN_FP32=False, DOT_IN_FP32=False, GPU_FENCE=True,
-                 NORM_DTYPE=triton.language.bfloat16, INV_RMS_IN=True, M_FIRST=mfirst, PDL=pdl)
+                 NORM_DTYPE=triton.language.bfloat16, INV_RMS_IN=not normed, M_FIRST=mfirst,
+                 PDL=pdl, NORMED_IN=normed)
     c = build(k, const, ptrs, nw, ns)
     ptx = c.asm["ptx"]
     print(bm, bn, "wgmma" in ptx and "cp.async" in ptx, ("griddepcontrol.wait" in ptx) == pdl,
           c.metadata.shared <= 227 * 1024)
 c = build(pro, dict(ROWS=4, BLOCK_L=1024, PDL=True), {"rinv_ptr": "*fp32"}, 4, 3)
 print("prologue", "griddepcontrol.launch_dependents" in c.asm["ptx"])
+for pdl in (True, False):
+    c = build(norm, dict(BLOCK_COLS=4096, ROWS=1, WEIGHT_IN_FP32=False,
+                         ROUND_DTYPE=triton.language.bfloat16, COPY=False, COPY_BLOCK=1,
+                         COPY_ROWS=1, PDL=pdl), {}, 4, 3)
+    print("norm launch", ("griddepcontrol.launch_dependents" in c.asm["ptx"]) == pdl)
 """
 
 
 def test_issue17_forms_compile_for_hopper():
-    """The prenorm / row-tiled / PDL forms the probe times compile for sm_90 with
+    """The prenorm / norm-launch / row-tiled / PDL forms compile for sm_90 with
     tensor-core dots (wgmma) fed by a cp.async pipeline, the grid-dependency instructions exactly where PDL asks for
     them, and shared memory within the H200's 227 KiB per block."""
     out = run_compile_script(_PTX_CHECK_ISSUE17, "the fused tail kernel's issue-17 forms")
     assert [x for x in out.split("\n") if x] == [
         "16 64 True True True", "64 64 True True True", "128 128 True True True",
-        "128 256 True True True", "prologue True"], out
+        "128 256 True True True", "16 64 True True True", "32 64 True True True",
+        "prologue True", "norm launch True", "norm launch True"], out
 
 
 def test_norm_dtype_casts_the_normalized_fp32_latent():
