@@ -5,7 +5,7 @@
 Compiled, the graph pass replaces the tail with ``k3fusion::latent_moe_tail``, which picks
 a tier from the token count T at run time; eagerly, ``patch_model`` installs a runner that
 does the same. The tiers (``k3fusion.moe_tail``): ``tail_fusion`` (one fused kernel:
-CUDA, tp = 1, T <= 8; at tp > 1 a symmetric-memory one once enabled), ``allreduce_overlap``,
+CUDA, tp = 1, T <= 32; at tp > 1 a symmetric-memory one once enabled), ``allreduce_overlap``,
 ``column_parallel`` (tp > 1) and ``replicated`` (the plain form; tp = 1 otherwise).
 """
 
@@ -42,5 +42,5 @@ print(f"eager tiers on {device}, tp=1:", tiers)
 # 3. What selection picks elsewhere (it looks only at T, H, tp and the device type):
 #    K3 widths (H = 7168) on CUDA, one and two tensor-parallel ranks.
 for tp in (1, 2):
-    for tokens in (1, 8, 9, 512):
+    for tokens in (1, 32, 33, 512):
         print(f"  cuda tp={tp} T={tokens:<4} -> {select_tier(tokens, 7168, tp, 'cuda').value}")

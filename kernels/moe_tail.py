@@ -371,7 +371,7 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
 
 
 #: Dot-form launches of up to this many token rows take the PDL norm-launch form by default
-#: (docs/experiments.md, "2026-12-02 (evening): the tail as a norm launch + a GEMM").
+#: (docs/experiments.md, "2026-12-02: the tail as a norm launch + a GEMM (issue 17)").
 PDL_MAX_BLOCK_M = 32
 
 

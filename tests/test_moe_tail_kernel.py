@@ -513,7 +513,7 @@ def test_supports_on_a_cuda_device_object():
     # selection stops at the kernel's measured select_max_tokens (32), below its limit
     # and below config.fused_tail_max_tokens; forcing the tier runs it up to its limit.
     # The boundary is checked on both sides of the constant (docs/experiments.md,
-    # "2026-12-02 (evening): the tail as a norm launch + a GEMM", the run that moved it).
+    # "2026-12-02: the tail as a norm launch + a GEMM (issue 17)", the run that moved it).
     most = moe_tail.TRITON_SELECT_MAX_TOKENS
     assert impl.select_max_tokens == most == 32
     assert moe_tail.select_tier(most, 7168, 1, cuda) is Tier.TAIL_FUSION

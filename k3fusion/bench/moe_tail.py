@@ -102,24 +102,25 @@ def config_label(cfg) -> str:
     return (f"n{cfg.block_n}_k{cfg.block_k}_p{cfg.norm_block_k}_s{cfg.split_k}"
             f"_w{cfg.num_warps}_st{cfg.num_stages}"
             + ("_swap" if cfg.swap_ab else "") + ("_gemv" if cfg.gemv else "")
+            + ("_normed" if cfg.normed_rows else "")
             + ("_pdl" if cfg.pdl else "_pre" if cfg.prenorm else ""))
 
 
 def _sweep(t: int, sets) -> dict:
     """``{label: us}`` over the grid, the default config's label, and the fastest."""
     sms = _num_sms(torch.device(DEVICE))
-    # the default as a call with no options runs it (the PDL prologue form where it runs);
+    # the default as a call with no options runs it (the PDL norm-launch form where it runs);
     # the grid: the one-launch form (each program its own norm prologue)
     default = _resolve_config(t, HIDDEN, LATENT, DTYPE, torch.device(DEVICE))
     dot_default = replace(pick_launch_config(t, HIDDEN, LATENT, DTYPE, sms, gemv=False),
-                          prenorm=False, pdl=False)
+                          prenorm=False, pdl=False, normed_rows=False)
     ref = tail(*sets[0])
 
     def time(cfg: LaunchConfig) -> float:
         opts = dict(block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                     norm_block_k=cfg.norm_block_k, swap_ab=cfg.swap_ab, gemv=cfg.gemv,
-                    prenorm=cfg.prenorm, pdl=cfg.pdl)
+                    prenorm=cfg.prenorm, pdl=cfg.pdl, normed_rows=cfg.normed_rows)
         fn = lambda r, s, w, u: launch(r, s, w, EPS, u, **opts)  # noqa: E731
         try:
             _check(fn(*sets[0]), ref, f"kernel {config_label(cfg)}")

@@ -37,11 +37,12 @@ from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 4096)
 AUTOTUNE_TOKENS = (1, 16, 64, 512, 4096)
-#: ``--quick``'s T: 8 / 12 / 16 bracket the fused kernel's selection limit (cuBLAS switches
-#: GEMM kernels between 8 and 16 rows: 18.5 -> 15.9 us).
-QUICK_TOKENS = (1, 4, 8, 12, 16, 64, 512, 4096)
-#: ``--quick``'s fused-kernel forms: the PDL form that phase 1 found fastest at T = 2-16.
-QUICK_CANDIDATES = ("pdl_n64_s1",)
+#: ``--quick``'s T: 32 / 48 / 64 bracket the fused kernel's selection limit; 8 / 16 the
+#: switch of cuBLAS's GEMM kernel between 8 and 16 rows (18.5 -> 15.9 us).
+QUICK_TOKENS = (1, 4, 8, 16, 32, 48, 64, 512, 4096)
+#: ``--quick``'s fused-kernel forms: the norm-launch default (2-32 token rows) and the PDL
+#: 1/rms prologue form it replaced.
+QUICK_CANDIDATES = ("normed_pdl_n64", "pdl_n64_s1")
 LATENT, HIDDEN = 3584, 7168
 EPS = 1e-6
 #: Rows checked per T (spread over all row tiles).
@@ -65,6 +66,9 @@ def candidates(t: int) -> dict[str, dict]:
             if bn == 64 or sk == 4:
                 c[f"pdl_n{bn}_s{sk}"] = dict(prenorm=True, pdl=True, block_n=bn, split_k=sk,
                                              **bk)
+        # The rows normalized by a norm launch, the kernel a GEMM + add on them (the default
+        # at 2-32 rows), at 64 rows too.
+        c["normed_pdl_n64"] = dict(normed_rows=True, pdl=True, block_n=64)
         # Split-K without the prologue launch (each program its own prologue), for contrast.
         c["own_n64_s4"] = dict(prenorm=False, block_n=64, split_k=4)
         if t == 1:
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="after this many seconds, skip the remaining max-autotune compiles")
     p.add_argument("--quick", action="store_true",
-                   help="T 1 4 8 12 16 64 512 4096, no Inductor compiles, of the kernel's "
+                   help="T 1 4 8 16 32 48 64 512 4096, no Inductor compiles, of the kernel's "
                         "forms only QUICK_CANDIDATES")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes on the CPU in Triton's interpreter; checks, no timing")
@@ -269,7 +273,7 @@ def _run(args) -> int:
             measure("kernel", lambda r, s, w, u, h: launch(r, s, w, EPS, u))
         forms = {} if args.skip_triton else candidates(t)
         if args.quick:
-            forms = {k: v for k, v in forms.items() if k in QUICK_CANDIDATES and 2 <= t <= 16}
+            forms = {k: v for k, v in forms.items() if k in QUICK_CANDIDATES and 2 <= t <= 64}
         for label, opts in forms.items():
             if opts.get("pdl") and pdl_error:
                 row["errors"][f"tri:{label}"] = f"skipped (PDL preflight: {pdl_error})"

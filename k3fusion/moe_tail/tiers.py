@@ -508,7 +508,7 @@ def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_d
 
 
 #: Largest T at which selection picks the tp = 1 kernel over the two-launch unfused form
-#: (docs/experiments.md, "Latent-MoE tail vs cuBLAS (issue 17), 2026-12-02", the confirmation run).
+#: (docs/experiments.md, "2026-12-02: the tail as a norm launch + a GEMM (issue 17)").
 TRITON_SELECT_MAX_TOKENS = 32
 
 register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",),
