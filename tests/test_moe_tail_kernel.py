@@ -671,6 +671,46 @@ def test_cuda_graph_replay_split_k():
         assert _launch._counter_buffers[key] is locks and int(locks.abs().sum()) == 0
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens, opts", [
+    (4, {}), (32, {}),                                   # the default: the norm-launch form
+    (8, {"normed_rows": True, "pdl": True, "split_k": 2}),
+    (8, {"prenorm": True, "pdl": True}),                 # the 1/rms prologue form
+])
+def test_cuda_pdl_forms_never_read_a_stale_prologue(tokens, opts):
+    """The PDL forms' tail kernel starts before its prologue launch has finished: it must
+    wait for it. Captured in a graph between an in-graph write of the routed rows and an
+    in-graph read of the output, replayed with new rows each time, and launched back to
+    back eagerly without a sync: every result is that call's tail, never the previous
+    rows' (a missing or misplaced wait reads the prologue buffer of an earlier call)."""
+    x, s, w, up = _k3_inputs(tokens, seed=20)
+    if not opts:
+        assert kernel_mod._resolve_config(tokens, K3_HIDDEN, K3_LATENT, torch.bfloat16,
+                                          x.device).pdl, "the default is a PDL form"
+    src = x.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch(x, s, w, 1e-6, up, **opts)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            x.copy_(src)                       # the rows written just before the tail
+            y = launch(x, s, w, 1e-6, up, **opts)
+            out = y * 1                        # and read right after it
+    for seed in (21, 22, 23):
+        src.copy_(_k3_inputs(tokens, seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, bound = tail_tolerance(src, s, w, 1e-6, up, False, truncating=False)
+        assert_within(out, ref, bound, f"replay {seed} {opts}")
+    rows = [_k3_inputs(tokens, seed=seed)[0] for seed in (24, 25, 26)]
+    ys = [launch(r, s, w, 1e-6, up, **opts) for r in rows]  # no sync in between
+    torch.cuda.synchronize()
+    for r, y in zip(rows, ys):
+        ref, bound = tail_tolerance(r, s, w, 1e-6, up, False, truncating=False)
+        assert_within(y, ref, bound, f"eager {opts}")
+
+
 # ============================================================================ the benchmark (CPU parts)
 
 
