@@ -180,6 +180,12 @@ def _query_vector(node: object) -> tuple[Node, list[Node]]:
     if (is_op(node, aten.select.int) and is_graph_input(node.args[0])
             and val(node.args[0]).dim() == 2 and node.args[1] in (0, -2)):
         return node, nodes + [node]
+    if is_op(node, *LAYOUT_OPS) and val(node).dim() == 1:
+        # proj.weight.squeeze() as a matmul's vector: a [1, H] / [H] parameter viewed as [H]
+        base, layout, chain = view_layout(node)
+        if is_graph_input(base) and val(base).dim() in (1, 2) and layout == [
+                tuple((base, i) for i, n in enumerate(val(base).shape) if not _one(n))]:
+            return node, nodes + chain
     raise NoMatch("pseudo-query is not a [1, H] / [H] parameter or a row of a [sites, H] one")
 
 
@@ -190,10 +196,14 @@ def _leading_layout(t: Node, skip: int | None = None) -> list[tuple]:
     return [() if _one(shape[i]) else ((t, i),) for i in range(len(shape) - 1) if i != skip]
 
 
-def _one(size) -> bool:
+def _same_size(a, b) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return bool(statically_known_true(size == 1))
+    return bool(statically_known_true(a == b))
+
+
+def _one(size) -> bool:
+    return _same_size(size, 1)
 
 
 def _operand_layouts(product: Node, stops=()) -> list[tuple]:
@@ -251,24 +261,55 @@ def _contraction_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
 
 
 def _mul_sum_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
-    """``(keys * q).sum(-1)`` with a pseudo-query vector ``q``."""
-    if not (is_op(logits, aten.sum.dim_IntList) and not keepdim_of(logits)
-            and logits.kwargs.get("dtype") is None):
+    """``(keys * q).sum(-1)`` with a pseudo-query vector ``q``; or ``keys @ q`` as torch's
+    matrix-vector decomposition lowers it: the keys flattened to rows (and cast to fp32),
+    ``(rows * q).sum(1)``, cast back and viewed as the keys' leading dims."""
+    views, out = [], logits
+    while is_op(out, *LAYOUT_OPS):
+        views.append(out)
+        out = out.args[0]
+    rounded = None
+    if views and is_op(out, _CAST):  # the fp32 sums rounded back to the keys' dtype
+        rounded, out = out, out.args[0]
+    if not (is_op(out, aten.sum.dim_IntList) and not keepdim_of(out)
+            and out.kwargs.get("dtype") is None):
         raise NoMatch("logits are not a projection")
-    prod = logits.args[0]
-    if not is_op(prod, _MUL) or _one_dim(prod, logits.args[1]) != val(prod).dim() - 1:
+    prod = out.args[0]
+    if not is_op(prod, _MUL) or _one_dim(prod, out.args[1]) != val(prod).dim() - 1:
         raise NoMatch("logits are not a projection")
-    for keys, q in (prod.args, prod.args[::-1]):
-        if not isinstance(keys, Node) or not isinstance(q, Node):
+    for k_in, q in (prod.args, prod.args[::-1]):
+        if not isinstance(k_in, Node) or not isinstance(q, Node):
             continue
         try:
             proj_w, w_nodes = _query_vector(q)
         except NoMatch:
             continue
-        if val(q).dim() != 1 or val(prod).shape != val(keys).shape:
+        if (val(q).dim() != 1 or val(prod).shape != val(k_in).shape
+                or not _same_size(val(q).shape[0], val(k_in).shape[-1])):
             raise NoMatch("the query broadcasts over more than the keys' rows")
-        return keys, proj_w, [logits, prod] + w_nodes
+        if not views:
+            return k_in, proj_w, [logits, prod] + w_nodes
+        return _flattened_keys(logits, out, rounded, k_in, proj_w, [prod] + w_nodes)
     raise NoMatch("logits are not a projection")
+
+
+def _flattened_keys(logits: Node, sums: Node, rounded: Node | None, k_in: Node, proj_w: Node,
+                    nodes: list[Node]) -> tuple[Node, Node, list[Node]]:
+    """The matrix-vector form's keys: ``k_in`` views (after an fp32 cast) the keys as rows
+    x their last dim, and ``logits`` views the row sums as the keys' leading dims, in order."""
+    if is_op(k_in, _CAST) and k_in.args[1] == torch.float32:
+        nodes.append(k_in)
+        k_in = k_in.args[0]
+    keys, k_layout, k_chain = view_layout(k_in)
+    r = val(keys).dim()
+    if len(k_layout) != 2 or k_layout[1] != ((keys, r - 1),):
+        raise NoMatch("the product with the query is not over the keys' last dim")
+    if rounded is not None and rounded.args[1] not in (torch.float32, val(keys).dtype):
+        raise NoMatch("logits are rounded to a dtype other than the keys' or fp32")
+    _, layout, chain = view_layout(logits, start=(rounded or sums, [k_layout[0]]))
+    if layout != _leading_layout(keys):
+        raise NoMatch("logits do not keep the keys' leading dims in order")
+    return keys, proj_w, chain + ([rounded] if rounded is not None else []) + [sums] + nodes + k_chain
 
 
 def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:

@@ -19,7 +19,10 @@ Spellings of the step (``SPELLINGS``):
   ``(w.unsqueeze(-1) * V).sum(-2)`` (this repo's own form);
 * ``bank``: a preallocated sources-first bank ``[max_blocks + 1, B, T, D]``, written
   ``bank[n] = partial_block`` and read ``bank[:n + 1]``;
-* ``full``: Full AttnRes: every sublayer output is a source (up to 2 x layers + 1).
+* ``full``: Full AttnRes: every sublayer output is a source (up to 2 x layers + 1);
+* ``matvec``: logits ``K @ proj.weight.squeeze()`` (matmul with a vector: torch lowers it
+  to the keys flattened to rows, ``(rows * q).sum(1)`` in fp32, viewed back), the mix
+  ``(w.unsqueeze(-1) * V).sum(0)``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SPELLINGS = ("official", "linear", "query", "functional", "sources_last", "bank", "full")
+SPELLINGS = ("official", "linear", "query", "functional", "sources_last", "bank", "full",
+             "matvec")
 
 
 class RMSNorm(nn.Module):
@@ -103,6 +107,9 @@ class AttnResModel(nn.Module):
         if s == "linear":
             logits = proj(K).squeeze(-1)
             w = F.softmax(logits, dim=0)
+        elif s == "matvec":
+            logits = K @ proj.weight.squeeze()
+            return (logits.softmax(0).unsqueeze(-1) * V).sum(0)
         elif s == "query":
             logits = torch.einsum("d, n b t d -> n b t", self.query[site], K)
             logits = logits - logits.max(dim=0, keepdim=True).values
@@ -176,7 +183,7 @@ class AttnResModel(nn.Module):
         return 2 * len(self.layers)
 
     def fused_sites(self) -> int:
-        """What fuses: the multi-source steps, and in the sources-last spelling the first
-        too (its ``stack([x], -2)`` stays a site; a sources-first einsum over one source
-        lowers to a plain multiply, no longer a contraction)."""
-        return self.multi_source_sites() + (self.spelling == "sources_last")
+        """What fuses: the multi-source steps, and in the spellings whose mix is a weighted
+        sum the first too (``sum`` over one source stays a site; a sources-first einsum over
+        one source lowers to a plain multiply, no longer a contraction)."""
+        return self.multi_source_sites() + (self.spelling in ("sources_last", "matvec"))

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 from torch import nn
 
 import k3fusion
@@ -48,7 +48,14 @@ MUTATIONS = {
     "leak_keys": False,             # the keys also returned
     "mix_fp32": False,              # the mix left in fp32 (bf16: another output dtype)
     "keys_fp16": False,             # keys rounded to another dtype
+    # the matrix-vector spelling's own facts (``K @ q``: rows, row sums viewed back)
+    "rows_misread": False,          # the row sums viewed back in another order
+    "query_activation": False,      # the query computed from the input, not a parameter
+    "logits_fp16": False,           # the row sums rounded to fp16
+    "query_scalar": False,          # (K * s).sum(-1), s a one-element parameter
 }
+#: mutations that only the matrix-vector spelling can make
+MATVEC_ONLY = {"rows_misread", "query_activation", "logits_fp16", "query_scalar"}
 
 
 #: ATTN_RES_MUTATIONS=a,b narrows the draw (a developer's knob, e.g. to replay a class of
@@ -64,6 +71,7 @@ class Site(nn.Module):
         self.spelling, self.mutation, self.n = spelling, mutation, n
         self.w = nn.Parameter(1 + 0.1 * torch.randn(H, generator=g))
         self.proj = nn.Linear(H, 1, bias=mutation == "bias")
+        self.scale = nn.Parameter(torch.tensor([0.7]))  # a one-element "query" (query_scalar)
         with torch.no_grad():
             self.proj.weight.copy_(2 * torch.randn(1, H, generator=g) / H ** 0.5)
             if self.proj.bias is not None:
@@ -87,7 +95,7 @@ class Site(nn.Module):
 
     def forward(self, bank, prefix):
         m, n = self.mutation, self.n
-        first = self.spelling == "sources_first"
+        first = self.spelling in ("sources_first", "matvec")
         sd = 0 if first else -2  # source dim of V
         if first:  # bank [slots, B, T, H]
             if m == "slice_step":
@@ -106,7 +114,21 @@ class Site(nn.Module):
                 blocks = bank[..., :n, :]
             V = torch.cat([blocks, prefix.unsqueeze(-2)], -2)
         K = self.keys(V)
-        if first:
+        if self.spelling == "matvec":
+            q = V.mean((0, 1, 2)) if m == "query_activation" else self.proj.weight.squeeze()
+            q = q.to(K.dtype)
+            if m == "rows_misread":
+                sources, batch, tokens = K.shape[:3]
+                logits = (K.reshape(-1, H) @ q).reshape(batch, sources, tokens).transpose(0, 1)
+            elif m == "query_scalar":
+                logits = (K * self.scale.to(K.dtype)).sum(-1)
+            elif m == "logits_fp16":
+                logits = (K.reshape(-1, H).float() @ q.float()).half().reshape(K.shape[:-1])
+            else:
+                logits = K @ q
+            if self.proj.bias is not None:
+                logits = logits + self.proj.bias.to(K.dtype)
+        elif first:
             logits = torch.einsum("d, n b t d -> n b t", self.proj.weight.squeeze().to(K.dtype), K)
             if self.proj.bias is not None:
                 logits = logits + self.proj.bias.to(K.dtype)
@@ -128,7 +150,7 @@ class Site(nn.Module):
             p = logits.softmax(other if m == "softmax_other_dim" else ld)
         p = p.to(V.dtype)
         mix_dim = (1 if first else -3) if m == "mix_other_dim" else sd
-        if first:
+        if first and self.spelling != "matvec":
             if m in ("mix_other_dim", "keepdim"):
                 out = (p.unsqueeze(-1) * V).sum(mix_dim, keepdim=m == "keepdim")
             else:
@@ -149,19 +171,20 @@ def _bound(dtype):
 
 
 @pytest.mark.usefixtures("fresh_state")
-@pytest.mark.parametrize("spelling", ["sources_last", "sources_first"])
+@pytest.mark.parametrize("spelling", ["sources_last", "sources_first", "matvec"])
 @settings(max_examples=10, deadline=None)
 @given(mutation=st.sampled_from(DRAWN),
        n=st.integers(1, 3), tokens=st.integers(1, 4),
        dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16]),
        seed=st.integers(0, 2 ** 16))
 def test_mutated_site(spelling, mutation, n, tokens, dtype, seed):
+    assume(spelling == "matvec" or mutation not in MATVEC_ONLY)
     torch._dynamo.reset()
     k3fusion.reset_match_counts()
     m = Site(spelling, mutation, n).to(dtype)
     g = torch.Generator().manual_seed(seed)
     slots = 2 * n + 1
-    bank_shape = (slots, 2, tokens, H) if spelling == "sources_first" else (2, tokens, slots, H)
+    bank_shape = (2, tokens, slots, H) if spelling == "sources_last" else (slots, 2, tokens, H)
     bank = torch.randn(bank_shape, generator=g).to(dtype)
     prefix = torch.randn(2, tokens, H, generator=g).to(dtype)
     with torch.no_grad():
