@@ -378,7 +378,7 @@ PDL_MAX_BLOCK_M = 32
 def pdl_available(device: torch.device) -> bool:
     """Whether launches on ``device`` run as programmatic dependents: NVIDIA sm_90+ with a
     Triton that has ``gdc_wait`` (not ROCm, whose capability numbers overlap); on CPU the
-    interpreter runs the PDL form as plain ``prenorm``."""
+    interpreter runs a PDL form's two launches one after the other."""
     if device.type == "cpu":
         return True
     if device.type != "cuda" or torch.version.hip is not None or gdc_wait is None:
@@ -387,10 +387,10 @@ def pdl_available(device: torch.device) -> bool:
     return (props.major, props.minor) >= (9, 0)
 
 
-#: Most bytes of weight-tile pipeline stages for which the automatic choice swaps the dot's
-#: operands (sm_90 allows 227 KiB of shared memory per block; the rest is for the token
-#: tiles and the epilogue).
-SWAP_AB_SMEM_BYTES = 160 * 1024
+#: Most bytes of pipeline stages (weight and token tiles) for which the automatic choice
+#: swaps the dot's operands (sm_90 allows 227 KiB of shared memory per block; the rest is
+#: for the epilogue). The default at 32 token rows takes 192 KiB.
+SWAP_AB_SMEM_BYTES = 200 * 1024
 
 
 def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
@@ -446,10 +446,12 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
     if auto.gemv:
         swap_ab = False  # no dot to swap
     elif swap_ab is None:
-        # The swapped dot keeps every pipeline stage of the weight tile in shared memory
-        # (wgmma reads its M side from there): where that would not fit, do not swap.
-        swap_ab = (auto.swap_ab
-                   and block_n * block_k * dtype.itemsize * num_stages <= SWAP_AB_SMEM_BYTES)
+        # The swapped dot keeps every pipeline stage of the weight tile, and of the token
+        # tile, in shared memory (wgmma reads both from there): where that would not fit,
+        # do not swap.
+        rows = block_m or _block_m(tokens)
+        swap_ab = (auto.swap_ab and (block_n + rows) * block_k * dtype.itemsize * num_stages
+                   <= SWAP_AB_SMEM_BYTES)
     if not asked:
         # Nothing asked for: the default's PDL norm-launch form where PDL runs (without it
         # the norm is only one launch more); any launch option asks for the one-launch form
@@ -560,7 +562,7 @@ def latent_moe_tail_fused(
     else:
         ws = lock = out  # never read
     rinv = out  # never read
-    pdl_on = cfg.pdl and not interpreted  # (inline PTX: the interpreter runs plain prenorm)
+    pdl_on = cfg.pdl and not interpreted  # (inline PTX: the interpreter runs the launches in turn)
     if pdl_on and gdc_wait is None:
         raise RuntimeError("pdl=True needs a Triton with triton.language.extra.cuda.gdc_wait")
     pdl_kw = {"launch_pdl": True} if pdl_on else {}

@@ -151,6 +151,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if norm_dtype is not None and norm_dtype not in TL_DTYPES:
         raise TypeError(f"norm_dtype must be float32, bfloat16 or float16, got {norm_dtype}")
+    if pdl_primary and (x.device.type != "cuda" or gdc_launch_dependents is None):
+        raise ValueError("pdl_primary=True needs a CUDA device and a Triton with "
+                         "triton.language.extra.cuda.gdc_launch_dependents")
     round_dtype = x.dtype if norm_dtype is None else norm_dtype
     n_rows, n_cols = x.shape
     if n_rows == 0:

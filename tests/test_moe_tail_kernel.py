@@ -83,7 +83,7 @@ class Case:
         return reference.rms_norm_out_dtype(self.x_dtype, self.w_dtype, self.weight_in_fp32)
 
 
-TOKENS = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 7, 15, 16]), st.integers(0, 16))
+TOKENS = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 7, 15, 16, 17, 32]), st.integers(0, 32))
 LATENTS = st.one_of(st.sampled_from([1, 16, 17, 40, 100, 128, 129, 200]), st.integers(1, 200))
 HIDDENS = st.one_of(st.sampled_from([1, 16, 17, 48, 70]), st.integers(1, 96))
 PADS = st.sampled_from([0, 1, 8, 64])
@@ -197,7 +197,8 @@ def test_normalized_tile_is_formed_as_the_reference_rounds_it(form, c, seed):
 @pytest.mark.parametrize("tokens", [17, 33, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_more_than_16_tokens(tokens, dtype):
-    """Up to MAX_TOKENS rows (BLOCK_M 32 and 64), for a raised fused_tail_max_tokens."""
+    """Up to MAX_TOKENS rows (BLOCK_M 32 and 64): 17-32 what selection runs by default,
+    33-64 for a raised fused_tail_max_tokens."""
     run_and_check(Case(tokens, 72, 40, dtype, False, False, 1e-6, 0, 8, 0, 0, False), tokens)
 
 
@@ -323,6 +324,12 @@ def test_launch_config_heuristic():
         kernel_mod.SWAP_AB_SMEM_BYTES
     assert kernel_mod._resolve_config(4, 7168, 3584, torch.bfloat16, cpu, block_n=128,
                                       swap_ab=True).swap_ab  # forced: as asked
+    # the token tile's stages count too: 32 rows at 4 stages swap (192 KiB), at 5 not
+    # (240 KiB: over sm_90's 227 KiB per block)
+    assert kernel_mod._resolve_config(20, 7168, 3584, torch.bfloat16, cpu).swap_ab
+    assert not kernel_mod._resolve_config(20, 7168, 3584, torch.bfloat16, cpu,
+                                          num_stages=5).swap_ab
+    assert kernel_mod._resolve_config(16, 7168, 3584, torch.bfloat16, cpu, num_stages=5).swap_ab
     small = kernel_mod.pick_launch_config(4, 512, 3584, torch.bfloat16, 132)
     assert small.block_n == 64 and small.split_k == 8  # 8 tiles: split K to reach the SMs
     assert kernel_mod.pick_launch_config(1, 64, 20, torch.float32).block_k == 32
@@ -868,15 +875,18 @@ def test_issue17_forms_compile_for_hopper():
         "prologue True", "norm launch True", "norm launch True"], out
 
 
-def test_norm_dtype_casts_the_normalized_fp32_latent():
+@pytest.mark.parametrize("form", [{}, {"normed_rows": False}, {"prenorm": True}],
+                         ids=["default", "own-prologue", "prenorm"])
+def test_norm_dtype_casts_the_normalized_fp32_latent(form):
     """``norm_dtype``: an fp32 latent whose normalized row is cast to bf16 (T5-style, or a
-    round trip Inductor removed) -- the kernel casts there, as the reference does."""
+    round trip Inductor removed) -- the kernel casts there, as the reference does, in the
+    norm launch (the default) and in the kernel's own tile alike."""
     g = torch.Generator().manual_seed(9)
     x = torch.randn(5, 96, generator=g).to(DEVICE)
     s = torch.randn(5, 40, generator=g).to(DEVICE, torch.bfloat16)
     w = (torch.rand(96, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
     up = (torch.randn(40, 96, generator=g) / 10).to(DEVICE, torch.bfloat16)
-    y = launch(x, s, w, 1e-6, up, norm_dtype=torch.bfloat16)
+    y = launch(x, s, w, 1e-6, up, norm_dtype=torch.bfloat16, **form)
     ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=INTERPRETED,
                                 norm_dtype=torch.bfloat16)
     assert_within(y, ref, bound, "norm_dtype")

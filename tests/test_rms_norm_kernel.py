@@ -141,6 +141,19 @@ def test_op_fake_and_errors() -> None:
         torch.ops.k3fusion.rms_norm(x, w, -1.0)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's refusal")
+def test_pdl_primary_needs_cuda() -> None:
+    """A programmatic-dependent trigger is inline PTX: refused on CPU (the interpreter)
+    before any launch, naming the argument."""
+    x = torch.randn(3, 40)
+    w = torch.ones(40)
+    y = torch.empty_like(x)
+    with pytest.raises(ValueError, match="pdl_primary=True needs a CUDA device"):
+        launch(x, w, 1e-6, y, pdl_primary=True)
+    launch(x, w, 1e-6, y)  # and runs without it
+    torch.testing.assert_close(y, reference.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("T", [1, 17, 64, 4099])
 @pytest.mark.parametrize("weight_in_fp32", [False, True])

@@ -209,8 +209,10 @@ def _run(args) -> int:
     if not dry and not args.skip_triton:
         try:
             r, s, w, u, _ = inputs(4)
-            cuda_graph_us(lambda: launch(r, s, w, EPS, u, prenorm=True, pdl=True, split_k=2),
-                          calls_per_graph=2, reps=3)
+            for form in (dict(prenorm=True, pdl=True, split_k=2),
+                         dict(normed_rows=True, pdl=True)):
+                cuda_graph_us(lambda: launch(r, s, w, EPS, u, **form),
+                              calls_per_graph=2, reps=3)
         except Exception as e:  # noqa: BLE001 - say why, skip the pdl variants
             pdl_error = f"{type(e).__name__}: {str(e)[:200]}"
             print(f"PDL under graph capture failed, pdl variants skipped: {pdl_error}",
