@@ -348,7 +348,10 @@ def _linear_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     proj_w, w_nodes = parameter_weight_2d(w_t.args[0])
     if not is_op(flat_keys, *RESHAPES):
         raise NoMatch("keys are not flattened for the projection")
-    keys = flat_keys.args[0]
+    keys, clones = flat_keys.args[0], []
+    while is_op(keys, aten.clone.default):  # made contiguous first (permuted keys): same values
+        clones.append(keys)
+        keys = keys.args[0]
     # [..., H] -> [M, H] -> [M, 1] -> [..., 1]: the rows keep their order only when the
     # flattening keeps the last dim and the view restores exactly the keys' leading dims.
     if not (isinstance(keys, Node) and val(flat_keys).dim() == 2
@@ -357,7 +360,8 @@ def _linear_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
         raise NoMatch("the projection's flattening does not keep the keys' rows")
     # Everything between the keys and the logits belongs to the site (a decomposed
     # product adds unsqueezes, casts and a sum around the multiply).
-    nodes = [logits, view, w_t, flat_keys, *w_nodes] + _between({flat_keys, w_t}, view.args[0])
+    nodes = [logits, view, w_t, flat_keys, *clones, *w_nodes] + _between({flat_keys, w_t},
+                                                                       view.args[0])
     return keys, proj_w, nodes
 
 
@@ -574,6 +578,17 @@ def _source_layout(sources: Node, sd: int
     r = len(shape)
     width = shape[-1]
     rest = tuple(s for i, s in enumerate(shape) if i != sd)
+    if is_op(sources, aten.permute.default):
+        # stack(items).movedim(0, sd): a stack over another dim, only that dim moved (the
+        # others keep their order); the op reads the items, not the stacked tensor.
+        perm = [d % r for d in sources.args[1]]
+        inner_sd = perm[sd % r]
+        if [p for i, p in enumerate(perm) if i != sd % r] != [i for i in range(r) if i != inner_sd]:
+            raise NoMatch("sources are permuted beyond moving the source dim")
+        prefix, blocks, _, n, nodes = _source_layout(sources.args[0], inner_sd)
+        if blocks is None:
+            raise NoMatch("a permuted tensor bank (only stacks are moved)")
+        return prefix, blocks, None, n, nodes + [sources]
     if is_op(sources, aten.unsqueeze.default) and _norm_dim(sources, sources.args[1]) == sd:
         return sources.args[0], [], None, 0, [sources]  # a single source: the prefix
     if (is_op(sources, *RESHAPES) and not is_op(sources.args[0], aten.cat.default)

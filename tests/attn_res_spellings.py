@@ -20,6 +20,8 @@ Spellings of the step (``SPELLINGS``):
 * ``bank``: a preallocated sources-first bank ``[max_blocks + 1, B, T, D]``, written
   ``bank[n] = partial_block`` and read ``bank[:n + 1]``;
 * ``full``: Full AttnRes: every sublayer output is a source (up to 2 x layers + 1);
+* ``movedim``: the official stack moved to sources-last, ``torch.stack(blocks +
+  [partial_block]).movedim(0, -2)``, then the sources-last step;
 * ``matvec``: logits ``K @ proj.weight.squeeze()`` (matmul with a vector: torch lowers it
   to the keys flattened to rows, ``(rows * q).sum(1)`` in fp32, viewed back), the mix
   ``(w.unsqueeze(-1) * V).sum(0)``.
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SPELLINGS = ("official", "linear", "query", "functional", "sources_last", "bank", "full",
-             "matvec")
+             "matvec", "movedim")
 
 
 class RMSNorm(nn.Module):
@@ -94,8 +96,11 @@ class AttnResModel(nn.Module):
 
     def res(self, blocks, partial_block, proj, norm, site: int):
         s = self.spelling
-        if s == "sources_last":
-            V = torch.stack(blocks + [partial_block], dim=-2)                # [B, T, N+1, D]
+        if s in ("sources_last", "movedim"):
+            if s == "movedim":
+                V = torch.stack(blocks + [partial_block]).movedim(0, -2)     # [B, T, N+1, D]
+            else:
+                V = torch.stack(blocks + [partial_block], dim=-2)            # [B, T, N+1, D]
             logits = proj(norm(V)).squeeze(-1).float()
             w = logits.softmax(-1)
             return (w.to(V.dtype).unsqueeze(-1) * V).sum(-2)
@@ -186,4 +191,5 @@ class AttnResModel(nn.Module):
         """What fuses: the multi-source steps, and in the spellings whose mix is a weighted
         sum the first too (``sum`` over one source stays a site; a sources-first einsum over
         one source lowers to a plain multiply, no longer a contraction)."""
-        return self.multi_source_sites() + (self.spelling in ("sources_last", "matvec"))
+        return self.multi_source_sites() + (self.spelling in ("sources_last", "matvec",
+                                                               "movedim"))

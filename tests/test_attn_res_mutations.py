@@ -53,9 +53,15 @@ MUTATIONS = {
     "query_activation": False,      # the query computed from the input, not a parameter
     "logits_fp16": False,           # the row sums rounded to fp16
     "query_scalar": False,          # (K * s).sum(-1), s a one-element parameter
+    # the moved stack's own (stack(items).movedim(0, -2))
+    "moved_other_dims": False,      # the stack permuted to [T, B, S, H]: tokens and batch swap
 }
 #: mutations that only the matrix-vector spelling can make
 MATVEC_ONLY = {"rows_misread", "query_activation", "logits_fp16", "query_scalar"}
+#: ... and only the moved-stack spelling
+MOVED_ONLY = {"moved_other_dims"}
+#: mutations that a stack of explicit items still computes as AttnRes over those items
+STACK_KEEPS = {"slice_step", "slice_start"}
 
 
 #: ATTN_RES_MUTATIONS=a,b narrows the draw (a developer's knob, e.g. to replay a class of
@@ -96,15 +102,21 @@ class Site(nn.Module):
     def forward(self, bank, prefix):
         m, n = self.mutation, self.n
         first = self.spelling in ("sources_first", "matvec")
+        moved = self.spelling == "moved"  # a sources-first bank's slots, stacked and moved
         sd = 0 if first else -2  # source dim of V
-        if first:  # bank [slots, B, T, H]
+        if first or moved:  # bank [slots, B, T, H]
             if m == "slice_step":
                 blocks = bank[0:2 * n:2]
             elif m == "slice_start":
                 blocks = bank[1:n + 1]
             else:
                 blocks = bank[:n]
-            V = torch.cat([blocks, prefix.unsqueeze(0)], 0)
+            if moved:
+                stacked = torch.stack(list(blocks.unbind(0)) + [prefix])
+                V = stacked.permute(2, 1, 0, 3) if m == "moved_other_dims" else \
+                    stacked.movedim(0, -2)
+            else:
+                V = torch.cat([blocks, prefix.unsqueeze(0)], 0)
         else:  # bank [B, T, slots, H]
             if m == "slice_step":
                 blocks = bank[..., 0:2 * n:2, :]
@@ -171,7 +183,7 @@ def _bound(dtype):
 
 
 @pytest.mark.usefixtures("fresh_state")
-@pytest.mark.parametrize("spelling", ["sources_last", "sources_first", "matvec"])
+@pytest.mark.parametrize("spelling", ["sources_last", "sources_first", "matvec", "moved"])
 @settings(max_examples=10, deadline=None)
 @given(mutation=st.sampled_from(DRAWN),
        n=st.integers(1, 3), tokens=st.integers(1, 4),
@@ -179,6 +191,7 @@ def _bound(dtype):
        seed=st.integers(0, 2 ** 16))
 def test_mutated_site(spelling, mutation, n, tokens, dtype, seed):
     assume(spelling == "matvec" or mutation not in MATVEC_ONLY)
+    assume(spelling == "moved" or mutation not in MOVED_ONLY)
     torch._dynamo.reset()
     k3fusion.reset_match_counts()
     m = Site(spelling, mutation, n).to(dtype)
@@ -198,7 +211,8 @@ def test_mutated_site(spelling, mutation, n, tokens, dtype, seed):
     assert [tuple(a.shape) for a in outs] == [tuple(b.shape) for b in exps], "output shape"
     for a, b in zip(outs, exps):
         torch.testing.assert_close(a.float(), b.float(), **_bound(dtype))
-    keeps = MUTATIONS[mutation] or (mutation == "mix_fp32" and dtype == torch.float32)
+    keeps = (MUTATIONS[mutation] or (mutation == "mix_fp32" and dtype == torch.float32)
+             or (spelling == "moved" and mutation in STACK_KEEPS))
     if keeps:  # (an fp32 mix of an fp32 model is no mutation)
         assert fused == 1, f"miss: {mutation} keeps the op's semantics but was not fused"
     else:
