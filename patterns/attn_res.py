@@ -167,9 +167,10 @@ def _minus_max(logits: Node, d: int) -> tuple[Node, list[Node]]:
 
 
 def _query_vector(node: object) -> tuple[Node, list[Node]]:
-    """The pseudo-query ``w [H]``: a ``[1, H]`` or ``[H]`` parameter (a Linear(H, 1)
-    weight), or one row ``q[i]`` of a ``[sites, H]`` parameter, optionally ``.float()``.
-    -> (a node whose value views as ``[H]``, nodes)."""
+    """The pseudo-query ``w [H]``: a ``[1, H]`` or ``[H]`` graph input (a Linear(H, 1)
+    weight), one row ``q[i]`` of a ``[sites, H]`` one, or a graph input of at most two dims
+    viewed in row-major order as ``[H]`` (``proj.weight.squeeze()``), optionally
+    ``.float()``. -> (a node whose value views as ``[H]``, nodes)."""
     nodes = []
     if is_op(node, _CAST) and node.args[1] == torch.float32:
         nodes.append(node)
