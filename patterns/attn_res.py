@@ -184,6 +184,10 @@ def _query_vector(node: object) -> tuple[Node, list[Node]]:
     if is_op(node, *LAYOUT_OPS) and val(node).dim() == 1:
         # proj.weight.squeeze() as a matmul's vector: a [1, H] / [H] parameter viewed as [H]
         base, layout, chain = view_layout(node)
+        if is_op(base, _CAST) and base.args[1] == torch.float32 and not nodes:
+            # w.float().squeeze(): the exact upcast before the view (same dims)
+            nodes, base = [base], base.args[0]
+            layout = [tuple((base, i) for _, i in group) for group in layout]
         if is_graph_input(base) and val(base).dim() in (1, 2) and layout == [
                 tuple((base, i) for i, n in enumerate(val(base).shape) if not _one(n))]:
             return node, nodes + chain

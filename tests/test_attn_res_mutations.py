@@ -53,11 +53,13 @@ MUTATIONS = {
     "query_activation": False,      # the query computed from the input, not a parameter
     "logits_fp16": False,           # the row sums rounded to fp16
     "query_scalar": False,          # (K * s).sum(-1), s a one-element parameter
+    "float_product": True,          # K.float() @ w.float().squeeze(): the product in fp32
     # the moved stack's own (stack(items).movedim(0, -2))
     "moved_other_dims": False,      # the stack permuted to [T, B, S, H]: tokens and batch swap
 }
 #: mutations that only the matrix-vector spelling can make
-MATVEC_ONLY = {"rows_misread", "query_activation", "logits_fp16", "query_scalar"}
+MATVEC_ONLY = {"rows_misread", "query_activation", "logits_fp16", "query_scalar",
+               "float_product"}
 #: ... and only the moved-stack spelling
 MOVED_ONLY = {"moved_other_dims"}
 #: mutations that a stack of explicit items still computes as AttnRes over those items
@@ -132,6 +134,8 @@ class Site(nn.Module):
             if m == "rows_misread":
                 sources, batch, tokens = K.shape[:3]
                 logits = (K.reshape(-1, H) @ q).reshape(batch, sources, tokens).transpose(0, 1)
+            elif m == "float_product":
+                logits = K.float() @ self.proj.weight.float().squeeze()
             elif m == "query_scalar":
                 logits = (K * self.scale.to(K.dtype)).sum(-1)
             elif m == "logits_fp16":
