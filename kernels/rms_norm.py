@@ -129,8 +129,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
     strides, last dims contiguous). ``norm_dtype``: cast-then-weight's rounding dtype when
     it is not ``x``'s. ``copy=(src, dst)``: also copy ``src [T, M]`` into ``dst [T, M]``
     (one dtype, any row strides, last dims contiguous) in the same launch.
-    ``pdl_primary``: the next launch is this one's programmatic dependent (CUDA sm_90+; the
-    caller checks). Arguments are validated by the caller; this checks only what the
+    ``pdl_primary``: the next launch is this one's programmatic dependent (refused off CUDA;
+    sm_90+ is the caller's to check). Arguments are validated by the caller; this checks only what the
     launch itself needs."""
     src, dst = (x, y) if copy is None else copy
     check_launchable(x, w, y, src, dst)

@@ -16,7 +16,7 @@ __all__ = [
     "is_graph_input", "depends_on", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
     "row_padded", "through_row_padding", "slice_args", "keepdim_of",
-    "LAYOUT_OPS", "view_layout",
+    "LAYOUT_OPS", "view_layout", "same_size",
 ]
 
 # Reshapes (what a Linear's [B, S, K] -> [T, K] flattening lowers to).
@@ -207,7 +207,7 @@ def plan_size_reads(nodes: Iterable[Node], survivors: Iterable[Node]) -> list[tu
                 continue
             want = val(n).shape[u.args[1]]
             for s in survivors:
-                dims = [k for k, size in enumerate(val(s).shape) if _same_size(size, want)]
+                dims = [k for k, size in enumerate(val(s).shape) if same_size(size, want)]
                 if dims:
                     plan.append((u, (s, dims[0])))
                     break
@@ -217,11 +217,9 @@ def plan_size_reads(nodes: Iterable[Node], survivors: Iterable[Node]) -> list[tu
     return plan
 
 
-def _same_size(a, b) -> bool:
+def same_size(a, b) -> bool:
     """Whether two (symbolic) sizes are provably equal, without adding a guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(a == b))
+    return _known(a == b)
 
 
 def apply_size_reads(plan: list[tuple[Node, tuple]]) -> None:

@@ -30,8 +30,8 @@ from torch.fx import Graph, Node
 import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the ops this pass inserts)
 from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, LAYOUT_OPS, view_layout, dtype_of, erase_unused,
                   external_users, fake_call, hoist_before, is_graph_input, is_op, keepdim_of, slice_args,
-                  matmul_operands, only_user, operands, plan_size_reads, prims, strip_casts,
-                  val)
+                  matmul_operands, only_user, operands, plan_size_reads, prims, same_size,
+                  strip_casts, val)
 from .rms_norm import (RMSNormMatch, eps_op_args, inverse_rms, parameter_weight, same_input,
                        upcast_input)
 
@@ -201,14 +201,8 @@ def _leading_layout(t: Node, skip: int | None = None) -> list[tuple]:
     return [() if _one(shape[i]) else ((t, i),) for i in range(len(shape) - 1) if i != skip]
 
 
-def _same_size(a, b) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(a == b))
-
-
 def _one(size) -> bool:
-    return _same_size(size, 1)
+    return same_size(size, 1)
 
 
 def _operand_layouts(product: Node, stops=()) -> list[tuple]:
@@ -290,7 +284,7 @@ def _mul_sum_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
         except NoMatch:
             continue
         if (val(q).dim() != 1 or val(prod).shape != val(k_in).shape
-                or not _same_size(val(q).shape[0], val(k_in).shape[-1])):
+                or not same_size(val(q).shape[0], val(k_in).shape[-1])):
             raise NoMatch("the query broadcasts over more than the keys' rows")
         if not views:
             return k_in, proj_w, [logits, prod] + w_nodes
