@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="after this many seconds, skip the remaining max-autotune compiles")
     p.add_argument("--quick", action="store_true",
-                   help="T 1 4 8 16 32 48 64 512 4096, no Inductor compiles, of the kernel's "
-                        "forms only QUICK_CANDIDATES")
+                   help=f"T {' '.join(map(str, QUICK_TOKENS))}, no Inductor compiles, of "
+                        "the kernel's forms only QUICK_CANDIDATES")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes on the CPU in Triton's interpreter; checks, no timing")
     args = p.parse_args(argv)
