@@ -254,9 +254,12 @@ def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool, norm_d
     from k3fusion import reference
 
     x, s, w, up = (t.cpu() for t in (x, s, w, up))
-    ref = reference.latent_moe_tail(x, s, w, eps, up, None, weight_in_fp32, norm_dtype)
     h = reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype)
-    p = h @ up.T
+    # reference.latent_moe_tail's ``s + h @ up.T`` with the GEMM on fp32 operands (exact for
+    # 16-bit values, fp32-accumulated, rounded to its dtype): torch 2.13's CPU bf16 GEMM
+    # turns a row next to a NaN row NaN as well (17 rows: rows 7 and 8 for a NaN row 8).
+    p = (h.float() @ up.float().T).to(torch.promote_types(h.dtype, up.dtype))
+    ref = s + p
     # A norm_dtype cast rounds the normalized row as a norm of that dtype would.
     c_h, h_ulp_dtype = dual_norm_tolerance(norm_dtype or x.dtype, w.dtype, weight_in_fp32,
                                            bf16_casts_truncate=truncating)

@@ -166,6 +166,8 @@ def run_and_check(c: Case, seed: int, launch_opts: dict | None = None, device: s
          opts={}, seed=5)  # one bf16 token: the GEMV form by default
 @example(c=Case(7, 129, 17, torch.bfloat16, False, True, 1e-5, 6, 1, 1, 3, True),
          opts={"gemv": True, "split_k": 3, "block_k": 16}, seed=6)  # GEMV, split-K, T = 7
+@example(c=Case(17, 17, 16, torch.bfloat16, False, False, 0.0, -6, 0, 0, 0, True),
+         opts={}, seed=0)  # a NaN row among 17 (the reference's CPU bf16 GEMM spread it)
 def test_kernel_matches_reference(c, opts, seed):
     run_and_check(c, seed, opts)
 
