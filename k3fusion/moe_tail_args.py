@@ -77,9 +77,9 @@ def check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w,
         raise ValueError(f"shared must be [{', '.join(map(str, lead + ('H',)))}]: shared leading "
                          f"dims {shared_lead} differ from routed_latent leading dims {lead}")
     for name, t in (("routed_latent", routed_latent), ("shared", shared), ("up_w", up_w)):
-        if t.shape[-1] > 1 and t.stride(-1) != 1:  # a size-1 dim's stride is meaningless
+        if not reference.last_dim_contiguous(t):
             raise ValueError(f"{name} must be contiguous in its last dim, got stride {t.stride(-1)}")
-    if latent > 1 and norm_w.stride(0) != 1:
+    if not reference.last_dim_contiguous(norm_w):
         raise ValueError(f"norm_w must be contiguous, got stride {norm_w.stride(0)}")
     if norm_dtype is not None:
         if norm_dtype not in reference.FLOAT_DTYPES:

@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "rms_norm", "dual_rms_norm", "rms_norm_out_dtype", "attn_res",
+__all__ = ["FLOAT_DTYPES", "last_dim_contiguous", "rms_norm", "dual_rms_norm", "rms_norm_out_dtype", "attn_res",
            "latent_moe_tail", "all_reduce"]
 
 #: The floating dtypes every op takes (inputs, weights, ``norm_dtype``).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def last_dim_contiguous(t: torch.Tensor) -> bool:
+    """The layout every op asks of a tensor it reads by rows: stride 1 in the last dim.
+    A size-1 last dim's stride is meaningless, and a tensor with no elements may have any
+    strides (Inductor gives zero-element buffers stride 0)."""
+    return t.shape[-1] <= 1 or t.stride(-1) == 1 or t.numel() == 0
 
 
 def rms_norm_out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, weight_in_fp32: bool,

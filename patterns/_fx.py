@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch.fx import Graph, Node
@@ -16,7 +17,8 @@ __all__ = [
     "is_graph_input", "depends_on", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
     "row_padded", "through_row_padding", "slice_args", "keepdim_of",
-    "LAYOUT_OPS", "view_layout", "same_size",
+    "LAYOUT_OPS", "view_layout", "same_size", "inductor_lowers", "insert_call", "all_or_nothing",
+    "snapshot", "restore",
 ]
 
 # Reshapes (what a Linear's [B, S, K] -> [T, K] flattening lowers to).
@@ -248,7 +250,7 @@ def hoist_before(graph: Graph, needed: Iterable[Node], point: Node) -> None:
         point.prepend(n)
 
 
-def fake_call(target, args: tuple):
+def fake_call(target, args: tuple, kwargs: dict | None = None):
     """Run ``target`` on the traced fake values of ``args`` to get the new node's meta."""
     from torch._guards import detect_fake_mode
 
@@ -256,11 +258,75 @@ def fake_call(target, args: tuple):
     from torch.utils._pytree import tree_leaves
 
     vals = map_arg(args, lambda n: n.meta["val"])
+    kw = map_arg(kwargs or {}, lambda n: n.meta["val"])
     mode = detect_fake_mode([v for v in tree_leaves(vals) if isinstance(v, torch.Tensor)])
     if mode is None:
-        return target(*vals)
+        return target(*vals, **kw)
     with mode:
-        return target(*vals)
+        return target(*vals, **kw)
+
+
+def inductor_lowers(target) -> bool:
+    """Whether Inductor can lower a call of ``target`` in a post-grad graph: an op with an
+    Inductor lowering, a ``k3fusion`` op (a fallback kernel), or ``getitem``. Any other op
+    reaches ``make_fallback`` at lowering, which fails for an op that has a decomposition
+    (``aten.new_ones``: "both a fallback and a decomp for same op")."""
+    from torch._inductor.lowering import lowerings
+
+    if target is operator.getitem or target in lowerings:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "k3fusion"
+
+
+def insert_call(graph: Graph, target, args: tuple, kwargs: dict | None = None) -> Node:
+    """``graph.call_function`` at the current insertion point, with its traced value; raises
+    :class:`NoMatch` (inserting nothing) for an op Inductor does not lower or one that
+    refuses the arguments. Use inside :func:`all_or_nothing`."""
+    kwargs = kwargs or {}
+    if not inductor_lowers(target):
+        raise NoMatch(f"the rewrite would insert {target}, which Inductor does not lower")
+    try:
+        value = fake_call(target, args, kwargs)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise NoMatch(f"{target} refuses the rewrite's inputs: {e}") from None
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = value
+    return node
+
+
+@contextlib.contextmanager
+def all_or_nothing(graph: Graph) -> Iterator[None]:
+    """A rewrite that raises :class:`NoMatch` part-way leaves no inserted node behind (nodes
+    it only moved, with ``hoist_before``, compute the same values where they now stand)."""
+    before = set(graph.nodes)
+    try:
+        yield
+    except NoMatch:
+        for n in reversed(list(graph.nodes)):
+            if n not in before and not n.users:
+                graph.erase_node(n)
+        raise
+
+
+def snapshot(graph: Graph) -> Graph:
+    """A copy of ``graph`` (nodes and their meta) for :func:`restore`."""
+    saved, val_map = Graph(), {}
+    out = saved.graph_copy(graph, val_map)
+    old_output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    saved.output(out).meta.update(old_output.meta)
+    return saved
+
+
+def restore(graph: Graph, saved: Graph) -> None:
+    """Make ``graph`` compute what ``saved`` (a :func:`snapshot`) computes, in place. Nodes
+    are new objects (names may gain a suffix); placeholder targets, and so the graph's
+    signature, stay."""
+    for n in reversed(list(graph.nodes)):
+        graph.erase_node(n)
+    val_map = {}
+    out = graph.graph_copy(saved, val_map)
+    old_output = next(n for n in reversed(saved.nodes) if n.op == "output")
+    graph.output(out).meta.update(old_output.meta)
 
 
 def erase_unused(graph: Graph, nodes: Iterable[Node]) -> None:

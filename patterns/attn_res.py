@@ -28,10 +28,10 @@ import torch
 from torch.fx import Graph, Node
 
 import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the ops this pass inserts)
-from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, LAYOUT_OPS, view_layout, dtype_of, erase_unused,
-                  external_users, fake_call, hoist_before, is_graph_input, is_op, keepdim_of, slice_args,
-                  matmul_operands, only_user, operands, plan_size_reads, prims, same_size,
-                  strip_casts, val)
+from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on, LAYOUT_OPS,
+                  view_layout, dtype_of, erase_unused, external_users, fake_call, hoist_before,
+                  insert_call, is_graph_input, is_op, keepdim_of, slice_args, matmul_operands,
+                  only_user, operands, plan_size_reads, prims, same_size, strip_casts, val)
 from .rms_norm import (RMSNormMatch, eps_op_args, inverse_rms, parameter_weight, same_input,
                        upcast_input)
 
@@ -687,10 +687,14 @@ def _delta_of(prefix: Node) -> tuple[Node, Node] | None:
     return prev, delta
 
 
-def _call(graph: Graph, target, args: tuple) -> Node:
-    node = graph.call_function(target, args)
-    node.meta["val"] = fake_call(target, args)
-    return node
+_call = insert_call
+
+
+def _unit_weight(graph: Graph, like: Node, width) -> Node:
+    """The weight 1 of an unweighted key norm, as a node Inductor lowers (``full``)."""
+    v = val(like)
+    return insert_call(graph, aten.full.default, ([width], 1.0),
+                       {"dtype": v.dtype, "device": v.device, "pin_memory": False})
 
 
 class _BlockStacks:
@@ -702,6 +706,8 @@ class _BlockStacks:
 
     def get(self, blocks: list[Node], prefix: Node, point: Node) -> Node:
         key = tuple(blocks)
+        if key in self.stacks and getattr(self.stacks[key], "_erased", False):
+            del self.stacks[key]  # built for a site whose rewrite was rolled back
         if key in self.stacks:
             hoist_before(self.graph, [self.stacks[key]], point)  # no-op when already earlier
         else:
@@ -737,6 +743,11 @@ def _plan(graph: Graph, site: AttnResSite, by_input: dict[Node, RMSNormMatch],
                                  or out_norm.out in claimed):
         out_norm = None  # the mix is read elsewhere too (an fp32 norm reads it twice: fine)
     handoff = _delta_of(site.prefix)
+    older = site.blocks if site.blocks is not None else [site.bank]
+    if handoff and any(depends_on(b, [site.prefix]) for b in older):
+        # The updated prefix is also an older source (``blocks.append(partial)`` before the
+        # stack, or CSE of two equal adds): the op would read its own output. Keep the add.
+        handoff = None
     prefix_in, delta = handoff if handoff else (site.prefix, None)
     outputs = [site.mixed if out_norm is None else out_norm.out] + ([site.prefix] if delta else [])
     inside = set(site.nodes) | set(out_norm.nodes if out_norm else ())
@@ -759,7 +770,7 @@ def _plan(graph: Graph, site: AttnResSite, by_input: dict[Node, RMSNormMatch],
             bank = fake_call(aten.permute.default, (site.bank, _to_sources_last(site)))
         proj = fake_call(aten.view.default, (site.proj_w, [val(site.proj_w).shape[-1]]))
         norm_w = (site.norm_w if site.norm_w is not None
-                  else fake_call(aten.new_ones.default, (plan.prefix_in, [_width(site)])))
+                  else val(plan.prefix_in).new_ones([_width(site)]))  # what _unit_weight builds
         fake_call(torch.ops.k3fusion.attn_res.default, _op_args(plan, bank, proj, norm_w))
     except (TypeError, ValueError) as e:
         raise NoMatch(f"the fused op refuses these inputs: {e}") from None
@@ -794,22 +805,18 @@ def _rewrite(graph: Graph, plan: _Rewrite, stacks: _BlockStacks) -> Node:
     needed += [site.norm_w] if site.norm_w is not None else []
     needed += site.blocks if site.blocks is not None else [site.bank]
     hoist_before(graph, needed, plan.point)  # raises NoMatch before changing anything
-    bank = (stacks.get(site.blocks, plan.prefix_in, plan.point) if site.blocks is not None
-            else site.bank)
-    with graph.inserting_before(plan.point):
+    with all_or_nothing(graph), graph.inserting_before(plan.point):
+        bank = (stacks.get(site.blocks, plan.prefix_in, plan.point) if site.blocks is not None
+                else site.bank)
         if site.blocks is None and _to_sources_last(site) != list(range(val(site.bank).dim())):
             bank = _call(graph, aten.permute.default, (bank, _to_sources_last(site)))
         proj = _call(graph, aten.view.default, (site.proj_w, [val(site.proj_w).shape[-1]]))
         norm_w = site.norm_w
         if norm_w is None:  # an unweighted key norm: weight 1
-            norm_w = _call(graph, aten.new_ones.default, (plan.prefix_in, [_width(site)]))
+            norm_w = _unit_weight(graph, plan.prefix_in, _width(site))
         node = _call(graph, torch.ops.k3fusion.attn_res.default,
                      _op_args(plan, bank, proj, norm_w))
-        results = []
-        for i in range(len(plan.outputs)):
-            r = graph.call_function(operator.getitem, (node, i))
-            r.meta["val"] = node.meta["val"][i]
-            results.append(r)
+        results = [_call(graph, operator.getitem, (node, i)) for i in range(len(plan.outputs))]
     for old, new in zip(plan.outputs, results):
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in plan.erase)
     apply_size_reads(plan.size_reads)

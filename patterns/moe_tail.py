@@ -23,9 +23,9 @@ from torch.fx import Graph, Node
 
 import k3fusion.moe_tail  # noqa: F401  registers torch.ops.k3fusion.latent_moe_tail
 
-from ._fx import (RESHAPES, NoMatch, apply_size_reads, aten, depends_on, erase_unused,
-                  external_users, fake_call, is_graph_input, is_op, plan_size_reads,
-                  through_row_padding, val)
+from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on,
+                  erase_unused, external_users, fake_call, insert_call, is_graph_input, is_op,
+                  plan_size_reads, through_row_padding, val)
 from .rms_norm import RMSNormMatch, eps_op_args
 
 __all__ = ["FUSION_NAME", "MoETailSite", "match_moe_tail", "fuse_moe_tail"]
@@ -239,14 +239,16 @@ def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
             if "no operand is an up-projection" not in str(e):
                 misses.append(f"{anchor.name}: {e}")
             continue
-        with graph.inserting_before(site.anchor):
-            shared = None
-            if isinstance(site.shared, tuple):
-                shared = graph.call_function(aten.mm.default, site.shared)
-                shared.meta["val"] = fake_call(aten.mm.default, site.shared)
-            args = _op_args(site, shared)
-            node = graph.call_function(torch.ops.k3fusion.latent_moe_tail.default, args)
-            node.meta["val"] = fake_call(torch.ops.k3fusion.latent_moe_tail.default, args)
+        try:
+            with all_or_nothing(graph), graph.inserting_before(site.anchor):
+                shared = None
+                if isinstance(site.shared, tuple):
+                    shared = insert_call(graph, aten.mm.default, site.shared)
+                node = insert_call(graph, torch.ops.k3fusion.latent_moe_tail.default,
+                                   _op_args(site, shared))
+        except NoMatch as e:
+            misses.append(f"{anchor.name}: {e}")
+            continue
         site.anchor.replace_all_uses_with(node)
         apply_size_reads(size_reads)
         erase_unused(graph, site.nodes)

@@ -6,21 +6,32 @@ In an MLA block both latents are projections of the same hidden state::
     kv_c, k_pe = kv_a_proj_with_mqa(h).split([kv_lora, rope], -1)
     kv_c       = kv_a_layernorm(kv_c)          # a strided view: 512 of a 576-wide row
 
+    or one fused projection:  q_c, kv_c, k_pe = fused_qkv_a_proj(h).split([q_lora, kv_lora, rope], -1)
+
 Two recognized RMSNorms are paired when neither depends on the other and their inputs
 share a source (``pairing_source``):
 
-* projections (mm/addmm, up to views) of the same activation -- the MLA block above --
-  also where Inductor's ``pad_mm`` gave each projection its own row-padded copy of it;
-* views of the same tensor -- a fused ``q_a + kv_a`` projection split into q_c and kv_c;
+* projections (mm/addmm, up to views, column slices and ``.contiguous()`` copies) of the
+  same activation -- the MLA block above -- also where Inductor's ``pad_mm`` gave each
+  projection its own row-padded copy of it;
+* views of the same tensor;
 * inputs of the compiled region -- their producer lies outside the graph, and two
   independent norms of inputs are always safe to run in one launch.
 
+Among norms of one source, pairs follow the projection structure (``_pair_score``): each
+latent starts at column 0 of its projection, or right after the other latent in a fused
+projection; a norm over a later slice (a rope slice's norm) pairs only when nothing
+better is left. Pairs by projection structure are *strong*: no other fusion claims
+their norms (docs/architecture.md, "Claims between fusions").
+
 The pair becomes one ``dual_rms_norm`` node placed before the first reader of either
-output; the pure ops computing the later input move up to make room.
+output; the pure ops computing the later input move up to make room. A norm that reads a
+``.contiguous()`` copy of a row-strided slice reads the slice itself when the op accepts it.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
@@ -29,23 +40,32 @@ import torch
 from torch.fx import Graph, Node
 
 import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the op this pass inserts)
-from ._fx import (VIEW_OPS, NoMatch, apply_size_reads, depends_on, erase_unused, fake_call,
-                  hoist_before, is_op, matmul_operands, plan_size_reads, row_padded)
+from ._fx import (VIEW_OPS, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on,
+                  erase_unused, fake_call, hoist_before, insert_call, is_op, matmul_operands,
+                  plan_size_reads, row_padded, slice_args, val)
 from .rms_norm import RMSNormMatch, eps_op_args
 
-__all__ = ["FUSION_NAME", "REGION_INPUTS", "pairing_source", "pair_qkv_norms", "fuse_qkv_rmsnorm"]
+__all__ = ["FUSION_NAME", "REGION_INPUTS", "STRONG", "pairing_source", "pair_qkv_norms",
+           "fuse_qkv_rmsnorm"]
 
 FUSION_NAME = "qkv_rmsnorm"
 
+#: The shared source of every norm whose input is (a view of) a graph input.
+REGION_INPUTS = "region inputs"
+
+#: Pair scores from this one up follow the projection structure (strong pairs).
+STRONG = 2
+
 
 def _strip_views(node: object) -> object:
-    while is_op(node, *VIEW_OPS):
+    while is_op(node, *VIEW_OPS) or _is_copy(node):
         node = node.args[0]
     return node
 
 
-#: The shared source of every norm whose input is (a view of) a graph input.
-REGION_INPUTS = "region inputs"
+def _is_copy(node: object) -> bool:
+    """``x.contiguous()`` / ``x.clone()``: the same values in a new buffer."""
+    return is_op(node, aten.clone.default) and len(node.args) == 1
 
 
 def pairing_source(x: Node) -> object:
@@ -62,15 +82,99 @@ def pairing_source(x: Node) -> object:
     return base
 
 
+@dataclass(frozen=True)
+class Columns:
+    """Which columns of which projection a norm's rows are: ``[start, start + size)`` of
+    ``proj`` (``width`` wide); ``proj`` None when the input is no projection's columns."""
+
+    proj: Node | None
+    start: int = 0
+    size: int = 0
+    width: int = 0
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.size == self.width
+
+
+def _int(x) -> int | None:
+    try:
+        return int(x)
+    except (TypeError, ValueError):  # symbolic
+        return None
+
+
+def columns(x: Node) -> Columns:
+    """Walk from a norm input back to a projection through last-dim slices and splits,
+    views that keep the last dim, and copies, adding up the column offset."""
+    node, start = x, 0
+    size = _int(val(x).shape[-1])
+    while isinstance(node, Node):
+        if _is_copy(node):
+            node = node.args[0]
+        elif is_op(node, aten.slice.Tensor):
+            dim, s, _, step = slice_args(node)
+            base = node.args[0]
+            if dim not in (-1, val(base).dim() - 1) or step != 1:
+                break
+            s = 0 if s is None else _int(s)
+            if s is None or s < 0:
+                break
+            start, node = start + s, base
+        elif is_op(node, operator.getitem) and is_op(
+                node.args[0], aten.split_with_sizes.default, aten.split.Tensor):
+            split, i = node.args[0], node.args[1]
+            base = split.args[0]
+            dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+            if dim not in (-1, val(base).dim() - 1):
+                break
+            sizes = split.args[1]
+            if is_op(split, aten.split.Tensor):
+                sizes = [sizes] * (i + 1)
+            before = [_int(n) for n in sizes[:i]]
+            if None in before:
+                break
+            start, node = start + sum(before), base
+        elif is_op(node, *VIEW_OPS) and len(val(node.args[0]).shape) and \
+                _int(val(node.args[0]).shape[-1]) == _int(val(node).shape[-1]):
+            node = node.args[0]  # a reshape of the leading dims
+        else:
+            break
+    if size is None or matmul_operands(node) is None:
+        return Columns(None)
+    width = _int(val(node).shape[-1])
+    return Columns(node, start, size, width) if width is not None else Columns(None)
+
+
+def _pair_score(a: Columns, b: Columns) -> int:
+    """How well two norms of one source fit the MLA structure: 3 for the latents (one at
+    column 0 of its projection, the other at column 0 of another projection, not both a
+    whole projection -- or right after it in the same projection), 2 for two norms at
+    column 0 of two projections, 1 for anything else (a later slice, no projection)."""
+    if a.proj is None or b.proj is None:
+        return 1
+    if a.proj is b.proj:
+        first, second = sorted((a, b), key=lambda c: c.start)
+        return 3 if first.start == 0 and second.start == first.start + first.size else 1
+    if a.start == 0 and b.start == 0:
+        return 3 if a.whole != b.whole else 2
+    return 1
+
+
 @dataclass
 class QKVPairing:
-    pairs: list[tuple[RMSNormMatch, RMSNormMatch]]
+    #: (first, second, score), in the order they were chosen.
+    pairs: list[tuple[RMSNormMatch, RMSNormMatch, int]]
     #: Norms left unpaired, with the reason (for the debug log).
     unpaired: list[tuple[RMSNormMatch, str]]
 
+    def strong_members(self) -> set[Node]:
+        """The outputs of norms in pairs that follow the projection structure."""
+        return {m.out for a, b, score in self.pairs if score >= STRONG for m in (a, b)}
+
 
 def pair_qkv_norms(graph: Graph, norms: list[RMSNormMatch]) -> QKVPairing:
-    """Pair norms of projections of one hidden state, in graph order, two at a time."""
+    """Pair norms of one source, best-fitting pairs first (ties: graph order)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_source: dict[object, list[RMSNormMatch]] = defaultdict(list)
     unpaired: list[tuple[RMSNormMatch, str]] = []
@@ -80,18 +184,45 @@ def pair_qkv_norms(graph: Graph, norms: list[RMSNormMatch]) -> QKVPairing:
     pairs = []
     for group in by_source.values():
         group.sort(key=lambda m: order[m.out])
-        while len(group) >= 2:
-            first, second = group[0], group[1]
-            if depends_on(second.x, first.nodes, order):
-                unpaired.append((first, f"{second.out.name} depends on it"))
-                group.pop(0)
+        cols = {id(m): columns(m.x) for m in group}
+        candidates, dependant = [], {}
+        for a, b in itertools.combinations(group, 2):
+            if depends_on(b.x, a.nodes, order):
+                # b is computed from a's result: one launch cannot do both
+                dependant.setdefault(id(a), b)
                 continue
-            pairs.append((first, second))
-            del group[:2]
-        unpaired += [(m, "no other norm shares its source (a projection of the same "
-                         "hidden state, a view of the same tensor, or a region input)")
-                     for m in group]
+            score = _pair_score(cols[id(a)], cols[id(b)])
+            candidates.append((-score, order[a.out], order[b.out], a, b))
+        taken: set[int] = set()
+        for neg, _, _, a, b in sorted(candidates, key=lambda c: c[:3]):
+            if id(a) in taken or id(b) in taken:
+                continue
+            pairs.append((a, b, -neg))
+            taken |= {id(a), id(b)}
+        for m in group:
+            if id(m) in taken:
+                continue
+            if id(m) in dependant:
+                unpaired.append((m, f"{dependant[id(m)].out.name} depends on it"))
+            else:
+                unpaired.append((m, "no other norm shares its source (a projection of the "
+                                    "same hidden state, a view of the same tensor, or a "
+                                    "region input)"))
     return QKVPairing(pairs, unpaired)
+
+
+def _through_copy(norm: RMSNormMatch) -> Node:
+    """The norm's input, or the strided tensor its ``.contiguous()`` copy reads."""
+    x = norm.x
+    if _is_copy(x) and len(x.users) == 1 and x.args[0] is not None:
+        return x.args[0]
+    return x
+
+
+def _pair_args(a: RMSNormMatch, b: RMSNormMatch, xa: Node, xb: Node) -> tuple:
+    (eps_a, eps_a_tensor), (eps_b, eps_b_tensor) = eps_op_args(a.eps), eps_op_args(b.eps)
+    return (xa, a.weight, eps_a, xb, b.weight, eps_b, a.weight_in_fp32, b.weight_in_fp32,
+            eps_a_tensor, eps_b_tensor)
 
 
 def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
@@ -101,27 +232,32 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
     pure ops that compute the later input are moved up first (``hoist_before``).
     """
     op = torch.ops.k3fusion.dual_rms_norm.default
-
-    (eps_a, eps_a_tensor), (eps_b, eps_b_tensor) = eps_op_args(a.eps), eps_op_args(b.eps)
-    args = (a.x, a.weight, eps_a, b.x, b.weight, eps_b, a.weight_in_fp32, b.weight_in_fp32,
-            eps_a_tensor, eps_b_tensor)
+    xa, xb = a.x, b.x
+    for through in ((_through_copy(a), _through_copy(b)), (_through_copy(a), b.x),
+                    (a.x, _through_copy(b))):
+        try:  # skip a .contiguous() copy the op does not need (it reads strided rows)
+            fake_call(op, _pair_args(a, b, *through))
+        except (TypeError, ValueError):
+            continue
+        xa, xb = through
+        break
+    args = _pair_args(a, b, xa, xb)
     try:  # the op's own checks (strides, devices...) before the graph is touched
-        fused_val = fake_call(op, args)
+        fake_call(op, args)
     except (TypeError, ValueError) as e:
         raise NoMatch(f"the fused op refuses these inputs: {e}") from None
-    size_reads = plan_size_reads(a.nodes + b.nodes, [a.x, b.x])  # defined before the reads
+    size_reads = plan_size_reads(a.nodes + b.nodes, [xa, xb])  # defined before the reads
     order = {n: i for i, n in enumerate(graph.nodes)}
     point = min((u for m in (a, b) for u in m.out.users), key=order.__getitem__)
-    hoist_before(graph, [a.x, a.weight, b.x, b.weight], point)
-    with graph.inserting_before(point):
-        fused = graph.call_function(op, args)
-        outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(2)]
-    fused.meta["val"] = fused_val
-    for i, (norm, y) in enumerate(zip((a, b), outs)):
-        y.meta["val"] = fused.meta["val"][i]
+    hoist_before(graph, [xa, a.weight, xb, b.weight], point)
+    with all_or_nothing(graph), graph.inserting_before(point):
+        fused = insert_call(graph, op, args)
+        outs = [insert_call(graph, operator.getitem, (fused, i)) for i in range(2)]
+    for norm, y in zip((a, b), outs):
         norm.out.replace_all_uses_with(y)
     apply_size_reads(size_reads)
-    erase_unused(graph, a.nodes + b.nodes)
+    copies = [m.x for m, x in ((a, xa), (b, xb)) if x is not m.x]  # now unread
+    erase_unused(graph, a.nodes + b.nodes + copies)
 
 
 def fuse_qkv_rmsnorm(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[tuple[RMSNormMatch, str]]]:
@@ -130,7 +266,7 @@ def fuse_qkv_rmsnorm(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list
                    "reads the model dtype") for m in norms if m.x_round is not None]
     pairing = pair_qkv_norms(graph, [m for m in norms if m.x_round is None])
     fused, unpaired = 0, rounded + list(pairing.unpaired)
-    for a, b in pairing.pairs:
+    for a, b, _ in pairing.pairs:
         try:
             _replace_pair(graph, a, b)
             fused += 1

@@ -23,6 +23,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+import k3fusion.pass_manager  # noqa: E402
+
+# A fusion's own error fails the test instead of leaving the graph unfused with a warning
+# (what users get); tests of that fallback switch it back per test.
+k3fusion.pass_manager.RAISE_INTERNAL_ERRORS = True
+
 settings.register_profile(
     "ci", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -8,7 +8,7 @@ import torch
 
 from .. import reference
 from ..kernels._launch import interpreter_enabled
-from ..reference import FLOAT_DTYPES
+from ..reference import FLOAT_DTYPES, last_dim_contiguous
 
 __all__ = ["check_rms_norm_args"]
 
@@ -42,11 +42,11 @@ def check_rms_norm_args(x: torch.Tensor, w: torch.Tensor, eps: float, *, x_name:
         )
     if x.shape[-1] == 0:
         raise ValueError(f"{x_name} rows must not be empty (last dim is 0)")
-    if x.stride(-1) != 1 and x.shape[-1] > 1:  # a size-1 dim's stride is meaningless
+    if not last_dim_contiguous(x):
         raise ValueError(
             f"{x_name} must be contiguous in its last dim (stride 1), got stride {x.stride(-1)}"
         )
-    if w.stride(0) != 1 and w.shape[0] > 1:
+    if not last_dim_contiguous(w):
         raise ValueError(f"{w_name} must be contiguous, got stride {w.stride(0)}")
     if w.device != x.device:
         raise ValueError(f"{w_name} is on {w.device} but {x_name} is on {x.device}")

@@ -32,7 +32,7 @@ def _check_like_prefix(t: torch.Tensor, prefix: torch.Tensor, name: str) -> None
         raise TypeError(f"{name} must have prefix's dtype {prefix.dtype}, got {t.dtype}")
     if t.device != prefix.device:
         raise ValueError(f"{name} is on {t.device} but prefix is on {prefix.device}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
+    if not reference.last_dim_contiguous(t):
         raise ValueError(
             f"{name} must be contiguous in its last dim (stride 1), got stride {t.stride(-1)}"
         )
@@ -97,7 +97,7 @@ def _num_rows(prefix: torch.Tensor):
 
 def _check_rows_disjoint(rows: torch.Tensor, name: str) -> None:
     """Rows the kernel writes must not share memory (an expanded tensor's would race)."""
-    if rows.shape[0] > 1 and abs(rows.stride(0)) < rows.shape[-1]:
+    if rows.shape[0] > 1 and rows.numel() and abs(rows.stride(0)) < rows.shape[-1]:
         raise ValueError(f"{name} rows overlap in memory (row stride {rows.stride(0)} < "
                          f"width {rows.shape[-1]}): the in-place write would race")
 

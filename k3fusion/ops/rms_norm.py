@@ -63,7 +63,7 @@ def _check_copy(x, other) -> None:
     if other.dim() < 1 or tuple(other.shape[:-1]) != tuple(x.shape[:-1]):
         raise ValueError(f"other must have x's leading dims {tuple(x.shape[:-1])}, got shape "
                          f"{tuple(other.shape)}")
-    if other.stride(-1) != 1 and other.shape[-1] > 1:
+    if not reference.last_dim_contiguous(other):
         raise ValueError(f"other must be contiguous in its last dim, got stride {other.stride(-1)}")
 
 
