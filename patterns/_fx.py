@@ -345,6 +345,7 @@ LAYOUT_OPS = frozenset({
     aten.view.default, aten.reshape.default, aten._unsafe_view.default,
     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
     aten.squeeze.dims, aten.clone.default, aten.alias.default,
+    aten.expand.default,  # matmul's own no-op expand to its operands' shapes (else NoMatch)
 })
 
 
@@ -392,6 +393,11 @@ def _layout_step(op: Node, layout: list) -> list:
     rank_in = len(layout)
     out_shape = val(op).shape
     if op.target in (aten.clone.default, aten.alias.default):
+        return layout
+    if op.target is aten.expand.default:
+        if not all(same_size(a, b) for a, b in zip(val(op.args[0]).shape, out_shape)) \
+                or len(out_shape) != rank_in:
+            raise NoMatch(f"{op.name}: an expand that broadcasts")
         return layout
     if op.target is aten.permute.default:
         dims = [d % rank_in for d in op.args[1]]

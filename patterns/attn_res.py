@@ -32,8 +32,8 @@ from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, dep
                   view_layout, dtype_of, erase_unused, external_users, fake_call, hoist_before,
                   insert_call, is_graph_input, is_op, keepdim_of, slice_args, matmul_operands,
                   only_user, operands, plan_size_reads, prims, same_size, strip_casts, val)
-from .rms_norm import (RMSNormMatch, eps_op_args, inverse_rms, parameter_weight, same_input,
-                       upcast_input)
+from .rms_norm import (RMSNormMatch, derived_from_input, eps_op_args, inverse_rms,
+                       parameter_weight, same_input, upcast_input)
 
 __all__ = ["FUSION_NAME", "HANDOFF_NAME", "AttnResSite", "match_attn_res", "fuse_attn_res",
            "count_handoffs"]
@@ -170,8 +170,9 @@ def _query_vector(node: object) -> tuple[Node, list[Node]]:
     """The pseudo-query ``w [H]``: a ``[1, H]`` or ``[H]`` graph input (a Linear(H, 1)
     weight), one row ``q[i]`` of a ``[sites, H]`` one, or a graph input of at most two dims
     viewed in row-major order as ``[H]`` (``proj.weight.squeeze()``), optionally
-    ``.float()``. -> (a node whose value views as ``[H]``, nodes)."""
-    nodes = []
+    ``.float()``; else a vector the graph computes from parameters (:func:`_computed_query`).
+    -> (a node whose value views as ``[H]``, nodes of the site)."""
+    original, nodes = node, []
     if is_op(node, _CAST) and node.args[1] == torch.float32:
         nodes.append(node)
         node = node.args[0]
@@ -191,7 +192,24 @@ def _query_vector(node: object) -> tuple[Node, list[Node]]:
         if is_graph_input(base) and val(base).dim() in (1, 2) and layout == [
                 tuple((base, i) for i, n in enumerate(val(base).shape) if not _one(n))]:
             return node, nodes + chain
+    if _computed_query(original):
+        return original, []  # the op reads the vector the graph computes
     raise NoMatch("pseudo-query is not a [1, H] / [H] parameter or a row of a [sites, H] one")
+
+
+def _computed_query(node: object) -> bool:
+    """A query vector of parameters, as the graph computes it: a row, view or cast of a
+    graph input (``q[i].to(x.dtype)``), or the product of two such values (Kimi-K3's
+    ``norm.weight.float() * proj.weight.squeeze(0).float()``: the key-norm weight folded
+    into the query) or of one and a number (fla's ``query * scale``). Read as the graph
+    computes it, the value is exactly eager's."""
+    if not isinstance(node, Node) or val(node).dim() != 1:
+        return False
+    if is_op(node, _MUL):  # a folded weight, or a scale knob (``query * scale``)
+        return all((isinstance(a, Node) and val(a).dim() <= 1 and derived_from_input(a))
+                   or (isinstance(a, (int, float)) and not isinstance(a, bool))
+                   for a in node.args[:2])
+    return derived_from_input(node)
 
 
 def _leading_layout(t: Node, skip: int | None = None) -> list[tuple]:
@@ -331,12 +349,20 @@ def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
 
 
 def _linear_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
-    """``Linear(H, 1)`` of the keys, squeezed -> (keys, proj weight param, nodes)."""
-    if not (is_op(logits, aten.squeeze.dim) and _dim_is(logits.args[0], logits.args[1], -1)):
+    """``Linear(H, 1)`` of the keys, squeezed (or its ``[M, 1]`` output reshaped straight to
+    the leading dims, ``.reshape(T, R)``) -> (keys, proj weight param, nodes). Keys normed
+    as flattened rows ``[M, H]`` come back as such: :func:`_flattened_rows` ties them to
+    the sources."""
+    if is_op(logits, aten.squeeze.dim) and _dim_is(logits.args[0], logits.args[1], -1):
+        view = logits.args[0]
+        if not (is_op(view, *RESHAPES) and val(view).shape[-1] == 1):
+            raise NoMatch("projection output is not [..., S, 1]")
+        leading = tuple(val(view).shape[:-1])
+    elif is_op(logits, *RESHAPES) and val(logits.args[0]).dim() == 2 \
+            and same_size(val(logits.args[0]).shape[-1], 1):
+        view, leading = logits, tuple(val(logits).shape)
+    else:
         raise NoMatch("logits are not a squeezed projection")
-    view = logits.args[0]
-    if not (is_op(view, *RESHAPES) and val(view).shape[-1] == 1):
-        raise NoMatch("projection output is not [..., S, 1]")
     product = matmul_operands(view.args[0])
     if product is None:
         raise NoMatch("projection is not a matrix multiply")
@@ -345,7 +371,10 @@ def _linear_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     if not (is_op(w_t, aten.permute.default) and list(w_t.args[1]) == [1, 0]):
         raise NoMatch("projection weight is not transposed")
     proj_w, w_nodes = parameter_weight_2d(w_t.args[0])
+    nodes = [logits, view, w_t, *w_nodes] + _between({flat_keys, w_t}, view.args[0])
     if not is_op(flat_keys, *RESHAPES):
+        if view is logits and val(flat_keys).dim() == 2:
+            return flat_keys, proj_w, nodes  # rows normed flat: _flattened_rows checks them
         raise NoMatch("keys are not flattened for the projection")
     keys, clones = flat_keys.args[0], []
     while is_op(keys, aten.clone.default):  # made contiguous first (permuted keys): same values
@@ -355,13 +384,26 @@ def _linear_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     # flattening keeps the last dim and the view restores exactly the keys' leading dims.
     if not (isinstance(keys, Node) and val(flat_keys).dim() == 2
             and val(flat_keys).shape[-1] == val(keys).shape[-1]
-            and tuple(val(view).shape[:-1]) == tuple(val(keys).shape[:-1])):
+            and leading == tuple(val(keys).shape[:-1])):
         raise NoMatch("the projection's flattening does not keep the keys' rows")
     # Everything between the keys and the logits belongs to the site (a decomposed
     # product adds unsqueezes, casts and a sum around the multiply).
-    nodes = [logits, view, w_t, flat_keys, *clones, *w_nodes] + _between({flat_keys, w_t},
-                                                                       view.args[0])
-    return keys, proj_w, nodes
+    return keys, proj_w, nodes + [flat_keys, *clones]
+
+
+def _flattened_rows(x: Node, logits: Node) -> tuple[Node, list[Node]]:
+    """Keys normed as rows ``x = rows.reshape(M, H)`` whose logits are reshaped back to
+    ``rows``' leading dims (a serving framework's reference path) -> (rows, nodes)."""
+    if not is_op(x, *RESHAPES):
+        raise NoMatch("keys have fewer dims than the logits and are no view of the sources")
+    rows = x.args[0]
+    r = val(rows).dim()
+    _, layout, chain = view_layout(x, stops={rows})
+    atoms = tuple((rows, i) for i in range(r - 1) if not _one(val(rows).shape[i]))
+    if (val(x).dim() != 2 or layout != [atoms, ((rows, r - 1),)]
+            or tuple(val(logits).shape) != tuple(val(rows).shape[:-1])):
+        raise NoMatch("the flattened keys' rows are not the sources' rows in order")
+    return rows, chain
 
 
 def _between(stops: set[Node], end: Node) -> list[Node]:
@@ -416,17 +458,23 @@ def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[N
             cast, inner = inner, inner.args[0]
         if not is_op(inner, _MUL):
             continue
-        rsqrt = next((o for o in inner.args if is_op(o, aten.rsqrt.default)), None)
-        if rsqrt is None:
+        scale = next((o for o in inner.args if is_op(o, aten.rsqrt.default)
+                      or (is_op(o, _CAST) and is_op(o.args[0], aten.rsqrt.default))), None)
+        if scale is None:
             continue
+        # x * rsqrt(...).to(x.dtype): the scale rounded to the sources' dtype (checked
+        # below), the product in it; the kernel keeps both in fp32
+        rsqrt = scale.args[0] if is_op(scale, _CAST) else scale
         x32, eps, rms_nodes = inverse_rms(rsqrt)
-        rms_nodes += same_input(operands(inner, rsqrt), x32)
+        rms_nodes += same_input(operands(inner, scale), x32)
+        if scale is not rsqrt:
+            rms_nodes.append(scale)
         if w_side is None:
             norm_w, w_nodes = None, []
         else:
             norm_w, w_nodes = parameter_weight(w_side, allow_upcast=True)
         sources, upcast = upcast_input(x32)
-        for c in [cast] + [n for n in nodes if is_op(n, _CAST)]:
+        for c in [cast] + [n for n in nodes + rms_nodes if is_op(n, _CAST) and n not in upcast]:
             if c is not None and c.args[1] not in (dtype_of(sources), torch.float32):
                 raise NoMatch(f"keys rounded to {c.args[1]}, the sources are {dtype_of(sources)}")
         if val(keys).shape != val(sources).shape:
@@ -513,9 +561,9 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
     product = n
     if not is_op(product, aten.bmm.default, aten.mm.default):
         raise NoMatch("softmax weights feed neither a weighted sum nor a contraction")
-    total = product
-    while is_op(only_user_or_none(total), *LAYOUT_OPS):
-        total = only_user(total)
+    views = [product]  # the product and the single-user views after it
+    while is_op(only_user_or_none(views[-1]), *LAYOUT_OPS):
+        views.append(only_user(views[-1]))
     sides = _operand_layouts(product, stops={sources, x32})
     div_like = p.args[0] if chain else p
     r = val(sources).dim()
@@ -538,11 +586,20 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
             and all(a[0] is pa for g in pl for a in g) and all(a[0] is va for g in vl for a in g)):
         raise NoMatch("the contraction is not over the source dim, row by row")
     rows, cols = ((pl[1], vl[1]) if named[0] == "p" else (vl[1], pl[1]))
-    layout, out_chain = _result_layout(total, product, vl[0], rows, cols)
-    # batch atoms come from both sides with equal dims: name them by the sources' dims
-    got = [tuple(a[1] for a in g) for g in layout]
+    # The mix is the first view with the sources' layout without the source dim (later
+    # views, e.g. a Linear's flattening of the mix, belong to its reader); batch atoms
+    # come from both sides with equal dims: name them by the sources' dims.
     want = [() if _one(s) else (i,) for i, s in enumerate(val(sources).shape) if i != sd]
-    if got != want or canon(pl[0]) != canon(vl[0]):
+    for total in views:
+        try:
+            layout, out_chain = _result_layout(total, product, vl[0], rows, cols)
+        except NoMatch:
+            continue
+        if [tuple(a[1] for a in g) for g in layout] == want:
+            break
+    else:
+        raise NoMatch("the contraction's result is not the sources' layout without the source dim")
+    if canon(pl[0]) != canon(vl[0]):
         raise NoMatch("the contraction's result is not the sources' layout without the source dim")
     extra = [] if va is sources or va is x32 else _is_source(va, sources, x32)
     return total, chain + pc + vc + [product] + out_chain + extra
@@ -649,6 +706,9 @@ def match_attn_res(div: Node) -> AttnResSite:
             logits = raw
     keys, proj_w, proj_nodes = _projection(logits)
     sources, norm_w, eps, x32, key_nodes = _key_norm(keys)
+    if val(keys).dim() != val(logits).dim() + 1:  # rows normed flat, logits reshaped back
+        sources, flat_nodes = _flattened_rows(sources, logits)
+        key_nodes += flat_nodes
     r = val(sources).dim()
     if sd >= r - 1:
         raise NoMatch("softmax over the hidden dim, not the sources")

@@ -104,6 +104,10 @@ def _int(x) -> int | None:
         return None
 
 
+_RESHAPES_AND_SQUEEZES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                          aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default)
+
+
 def columns(x: Node) -> Columns:
     """Walk from a norm input back to a projection through last-dim slices and splits,
     views that keep the last dim, and copies, adding up the column offset."""
@@ -135,8 +139,8 @@ def columns(x: Node) -> Columns:
             if None in before:
                 break
             start, node = start + sum(before), base
-        elif is_op(node, *VIEW_OPS) and len(val(node.args[0]).shape) and \
-                _int(val(node.args[0]).shape[-1]) == _int(val(node).shape[-1]):
+        elif (is_op(node, *_RESHAPES_AND_SQUEEZES) and val(node.args[0]).dim()
+              and _int(val(node.args[0]).shape[-1]) == _int(val(node).shape[-1])):
             node = node.args[0]  # a reshape of the leading dims
         else:
             break

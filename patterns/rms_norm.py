@@ -31,7 +31,8 @@ from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op
                   operands, prims, val)
 
 __all__ = ["RMSNormMatch", "RMSNormRejection", "find_rms_norms", "match_rms_norm",
-           "inverse_rms", "upcast_input", "parameter_weight", "same_input", "eps_op_args"]
+           "inverse_rms", "upcast_input", "parameter_weight", "derived_from_input",
+           "same_input", "eps_op_args"]
 
 _ADD = (aten.add.Tensor, aten.add.Scalar)
 _MUL = (aten.mul.Tensor,)
@@ -142,12 +143,30 @@ def same_input(operand: object, x32: Node) -> list[Node]:
     raise NoMatch("rsqrt is not multiplied with the input")
 
 
+#: Ops that derive a weight from a parameter without arithmetic: a row ``w[i]`` of a stacked
+#: parameter, a view, a cast (the op then reads the cast value, exactly what eager uses).
+_DERIVING = (aten.select.int, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+             aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default, *_CAST)
+
+
+def derived_from_input(node: object) -> bool:
+    """``node`` is a graph input, or a row, view or cast of one (no arithmetic)."""
+    while is_op(node, *_DERIVING):
+        if any(isinstance(a, Node) for a in node.args[1:]):
+            return False
+        node = node.args[0]
+    return is_graph_input(node)
+
+
 def parameter_weight(node: object, *, allow_upcast: bool) -> tuple[Node, list[Node]]:
-    """A parameter weight, optionally through an exact ``.float()`` upcast."""
-    if allow_upcast and is_op(node, *_CAST) and node.args[1] == torch.float32:
+    """A norm weight: a parameter, optionally through an exact ``.float()`` upcast (the op
+    then reads the parameter, its formulation says fp32), or a row / view / cast of one
+    (``w[i]``, ``w.to(x.dtype)``: the op reads that value as it is)."""
+    if allow_upcast and is_op(node, *_CAST) and node.args[1] == torch.float32 \
+            and is_graph_input(node.args[0]):
         param, nodes = parameter_weight(node.args[0], allow_upcast=False)
         return param, nodes + [node]
-    if not is_graph_input(node):
+    if not derived_from_input(node):
         what = node.target if isinstance(node, Node) and node.op == "call_function" else node
         raise NoMatch(f"weight is computed in the graph ({what}), not a parameter")
     w = val(node)

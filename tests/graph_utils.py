@@ -41,9 +41,9 @@ RSQRT = aten.rsqrt.default
 DUAL = torch.ops.k3fusion.dual_rms_norm.default
 
 __all__ = [
-    "RSQRT", "DUAL", "CaptureBackend", "no_compile_caches", "fresh_state", "compile_capture",
+    "RSQRT", "DUAL", "CaptureBackend", "LoweringBackend", "no_compile_caches", "fresh_state", "compile_capture",
     "count_op", "nodes_of", "op_histogram", "norm_width", "rsqrt_widths", "norms_by_width",
-    "assert_no_unfused_norm", "graph_code", "assert_close_rounding",
+    "assert_no_unfused_norm", "graph_code", "assert_close_rounding", "K3Calls",
 ]
 
 _DEFAULT = object()
@@ -124,6 +124,7 @@ class CaptureBackend:
         self.after: list[fx.Graph] = []
         self.final: list[fx.GraphModule] = []
         self.compiles = 0  # graphs compiled (successfully) through this backend
+        self.runtime_args: list[list] = []  # what each run of a compiled graph was given
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -153,7 +154,13 @@ class CaptureBackend:
             _recursive_post_grad_passes(gm, is_inference=kwargs.get("is_inference", False))
         gm.recompile()
         self.final.append(gm)
-        return make_boxed_func(gm.forward)
+        return make_boxed_func(self._recording(gm.forward))
+
+    def _recording(self, forward):
+        def run(*args):
+            self.runtime_args.append(list(args))
+            return forward(*args)
+        return run
 
     # convenience views on the last compiled graph
     @property
@@ -172,6 +179,53 @@ class CaptureBackend:
         return self.final[-1].graph
 
 
+class LoweringBackend(CaptureBackend):
+    """:class:`CaptureBackend` that also runs the rest of Inductor's compile: lowering to its
+    IR (where a fallback op's fake impl re-runs on Inductor's own buffer layouts), scheduling
+    and code generation of the wrapper and every kernel, and the load of the generated
+    module -- everything but the C++ compiler, whose kernels are replaced by stubs (a C++
+    compile costs seconds per graph on a CPU and cannot fail because of a k3fusion op, which
+    is an extern call in the wrapper). Then, as CaptureBackend does, the post-grad graph
+    Inductor lowered (``final``) runs eagerly. ``lowered`` counts the graphs that went
+    through lowering and codegen.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lowered = 0
+
+    def _inner_compile(self, gm: fx.GraphModule, example_inputs, **kwargs):
+        from unittest import mock
+
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._inductor.async_compile import AsyncCompile
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.graph import GraphLowering
+
+        lowered: list[fx.GraphModule] = []
+        real_run = GraphLowering.run
+
+        def run(graph, *args):
+            lowered.append(copy.deepcopy(graph.module))  # the graph Inductor lowers
+            return real_run(graph, *args)
+
+        def not_compiled(*args, **kwargs):
+            def kernel(*a, **k):
+                raise AssertionError("LoweringBackend does not compile C++ kernels")
+            return kernel
+
+        with mock.patch.object(GraphLowering, "run", run), \
+                mock.patch.object(AsyncCompile, "cpp", not_compiled), \
+                mock.patch.object(AsyncCompile, "cpp_pybinding", not_compiled):
+            compile_fx_inner(gm, example_inputs, **kwargs)
+        assert lowered, "Inductor lowered no graph"
+        final = lowered[-1]
+        final.recompile()
+        self.final.append(final)
+        self.lowered += 1
+        return make_boxed_func(self._recording(final.forward))
+
+
 def compile_capture(fn: Callable, *args, fusion_pass: Any = _DEFAULT, dynamic: bool | None = False,
                     **kwargs) -> tuple[Any, CaptureBackend]:
     """Compile ``fn`` with a fresh :class:`CaptureBackend`, run it once on ``args``.
@@ -184,6 +238,43 @@ def compile_capture(fn: Callable, *args, fusion_pass: Any = _DEFAULT, dynamic: b
     with torch.no_grad():
         out = compiled(*args, **kwargs)
     return out, backend
+
+
+class K3Calls:
+    """The ``torch.ops.k3fusion`` calls of a compiled graph, with each tensor argument named
+    by the parameter of ``model`` it is (or views; None for anything else): read off the
+    last graph a :class:`CaptureBackend` ran, and the tensors it ran on."""
+
+    def __init__(self, backend: "CaptureBackend", model: torch.nn.Module) -> None:
+        params = {p.data_ptr(): n for n, p in model.named_parameters()}
+        graph = backend.graph_final
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        runtime = backend.runtime_args[-1]
+        self.calls: list[tuple[str, dict]] = []
+        self._names: dict[int, str | None] = {}
+        for node in graph.nodes:
+            if node.op != "call_function" or getattr(node.target, "namespace", None) != "k3fusion":
+                continue
+            schema = [a.name for a in node.target._schema.arguments]
+            bound = dict(zip(schema, node.args))
+            bound.update(node.kwargs)
+            for key, arg in bound.items():
+                base = arg
+                while isinstance(base, fx.Node) and base.op == "call_function" and \
+                        base.target in (aten.view.default, aten.reshape.default,
+                                        aten.squeeze.dim, aten.permute.default):
+                    base = base.args[0]
+                if isinstance(base, fx.Node) and base.op == "placeholder":
+                    t = runtime[inputs.index(base)]
+                    self._names[id(arg)] = params.get(t.data_ptr()) \
+                        if isinstance(t, torch.Tensor) else None
+            self.calls.append((node.target.overloadpacket.__name__, bound))
+
+    def name(self, arg) -> str | None:
+        return self._names.get(id(arg))
+
+    def of(self, op: str) -> list[dict]:
+        return [a for name, a in self.calls if name == op]
 
 
 # --------------------------------------------------------------------------- graph queries
