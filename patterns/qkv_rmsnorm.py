@@ -5,28 +5,17 @@ In an MLA block both latents are projections of the same hidden state::
     q_c        = q_a_layernorm(q_a_proj(h))
     kv_c, k_pe = kv_a_proj_with_mqa(h).split([kv_lora, rope], -1)
     kv_c       = kv_a_layernorm(kv_c)          # a strided view: 512 of a 576-wide row
+    (or one fused projection split into q_c, kv_c, k_pe)
 
-    or one fused projection:  q_c, kv_c, k_pe = fused_qkv_a_proj(h).split([q_lora, kv_lora, rope], -1)
+Two recognized RMSNorms pair when neither depends on the other and their inputs share a
+source (``pairing_source``: projections of one activation, views of one tensor, or region
+inputs). Among norms of one source, pairs follow the projection structure (``_pair_score``):
+each latent starts at column 0 of its projection, or right after the other in a fused one;
+such pairs are *strong*, and no other fusion claims their norms. The pair becomes one
+``dual_rms_norm`` node before the first reader of either output; an input's
+``.contiguous()`` copy is skipped when the op reads the strided rows.
 
-Two recognized RMSNorms are paired when neither depends on the other and their inputs
-share a source (``pairing_source``):
-
-* projections (mm/addmm, up to views, column slices and ``.contiguous()`` copies) of the
-  same activation -- the MLA block above -- also where Inductor's ``pad_mm`` gave each
-  projection its own row-padded copy of it;
-* views of the same tensor;
-* inputs of the compiled region -- their producer lies outside the graph, and two
-  independent norms of inputs are always safe to run in one launch.
-
-Among norms of one source, pairs follow the projection structure (``_pair_score``): each
-latent starts at column 0 of its projection, or right after the other latent in a fused
-projection; a norm over a later slice (a rope slice's norm) pairs only when nothing
-better is left. Pairs by projection structure are *strong*: no other fusion claims
-their norms (docs/architecture.md, "Claims between fusions").
-
-The pair becomes one ``dual_rms_norm`` node placed before the first reader of either
-output; the pure ops computing the later input move up to make room. A norm that reads a
-``.contiguous()`` copy of a row-strided slice reads the slice itself when the op accepts it.
+The rules and near misses: docs/design-notes.md, "patterns/qkv_rmsnorm.py".
 """
 
 from __future__ import annotations

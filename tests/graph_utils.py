@@ -43,7 +43,7 @@ DUAL = torch.ops.k3fusion.dual_rms_norm.default
 __all__ = [
     "RSQRT", "DUAL", "CaptureBackend", "LoweringBackend", "no_compile_caches", "fresh_state", "compile_capture",
     "count_op", "nodes_of", "op_histogram", "norm_width", "rsqrt_widths", "norms_by_width",
-    "assert_no_unfused_norm", "graph_code", "assert_close_rounding", "K3Calls",
+    "assert_no_unfused_norm", "graph_code", "assert_close_rounding", "K3Calls", "SideBySide",
 ]
 
 _DEFAULT = object()
@@ -238,6 +238,23 @@ def compile_capture(fn: Callable, *args, fusion_pass: Any = _DEFAULT, dynamic: b
     with torch.no_grad():
         out = compiled(*args, **kwargs)
     return out, backend
+
+
+class SideBySide(torch.nn.Module):
+    """Sites called one after the other, each on its own slice of the flat inputs."""
+
+    def __init__(self, sites: list[tuple[torch.nn.Module, int]]) -> None:
+        super().__init__()
+        self.sites = torch.nn.ModuleList(m for m, _ in sites)
+        self.arity = [n for _, n in sites]
+
+    def forward(self, *args):
+        outs, i = [], 0
+        for site, n in zip(self.sites, self.arity):
+            out = site(*args[i:i + n])
+            outs += list(out) if isinstance(out, tuple) else [out]
+            i += n
+        return tuple(outs)
 
 
 class K3Calls:

@@ -317,8 +317,6 @@ NEAR_MISSES = {
                          r"computed in the graph"),
     "other_cast_dtype": (other_cast_dtype, (5, 32), torch.bfloat16, torch.float16,
                          r"cast to torch\.float16.*bfloat16"),
-    "narrowed_weight": (narrowed_weight, (5, 32), torch.bfloat16, torch.float32,
-                        r"computed in the graph"),
     "other_dim": (other_dim, (3, 4, 32), torch.bfloat16, torch.bfloat16, r"dims \[1\]"),
     "no_keepdim": (no_keepdim, (32, 32), torch.bfloat16, torch.bfloat16, r"keepdim=False"),
     "normed_returned": (normed_returned, (5, 32), torch.bfloat16, torch.bfloat16,
@@ -389,6 +387,22 @@ def test_equivalent_spellings_recognized(fn):
     _, be = compile_capture(lambda a, b: fn(a, b, 1e-6), x, w, fusion_pass=None)
     _check_recognized(be.graph_before, x, w, eps=1e-6, weight_in_fp32=False, eager=eager,
                       exact=True)
+
+
+def test_weight_read_as_the_graph_casts_it():
+    """``(normed * w.half()).to(x.dtype)`` with an fp32 ``w``: the norm multiplies by the
+    fp16-rounded weight. The match's weight is that cast node (the op reads the rounded
+    values), not the parameter: the canonical op on it is the eager function bit for bit.
+    (Before issue 27 any weight computed in the graph was refused.)"""
+    x, w = _inputs((5, 32), torch.bfloat16, torch.float32)
+    eager = narrowed_weight(x, w, 1e-6)
+    _, be = compile_capture(lambda a, b: narrowed_weight(a, b, 1e-6), x, w, fusion_pass=None)
+    (m,), rejected = find_rms_norms(be.graph_before)
+    assert rejected == []
+    assert m.weight.target is torch.ops.prims.convert_element_type.default
+    assert m.weight.args[1] == torch.float16 and m.weight_in_fp32
+    torch.testing.assert_close(reference.rms_norm(x, w.half(), m.eps, True), eager,
+                               rtol=0, atol=0)
 
 
 def test_fp32_input_with_a_dropped_round_trip_is_recognized_as_such():
