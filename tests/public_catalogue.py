@@ -95,6 +95,15 @@ def _init(module: nn.Module, seed: int = 0) -> nn.Module:
     return module
 
 
+def _keep_fp32(module: nn.Module, *names: str) -> nn.Module:
+    """Parameters a public model keeps in fp32 whatever its dtype (``.to(dtype)`` goes
+    through ``_apply``, which calls this after converting)."""
+    for name in names:
+        p = module.get_parameter(name)
+        p.data = p.data.float()
+    return module
+
+
 # =============================================================== AttnRes: shared sublayers
 
 
@@ -392,6 +401,9 @@ class NanochatBf16(nn.Module):
         self.mlp_res_proj = nn.Parameter(torch.ones(self.layers, H))
         _init(self)
 
+    def _apply(self, fn, recurse=True):  # the queries stay fp32 masters in any model dtype
+        return _keep_fp32(super()._apply(fn, recurse), "attn_res_proj", "mlp_res_proj")
+
     @staticmethod
     def _res(blocks, partial, w):
         V = torch.stack(blocks + [partial])
@@ -426,6 +438,9 @@ class NanogptRoundedScale(nn.Module):
         self.key_w = nn.Parameter(torch.ones(2 * self.layers + 1, H))
         self.queries = nn.Parameter(torch.ones(2 * self.layers + 1, H))
         _init(self)
+
+    def _apply(self, fn, recurse=True):  # fp32 masters, cast at the call
+        return _keep_fp32(super()._apply(fn, recurse), "key_w", "queries")
 
     def _keys(self, x, i):
         scale = torch.rsqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + 1e-8).to(x.dtype)
@@ -566,11 +581,8 @@ class DeepseekV32Indexer(_MLAHeads):
         self.indexer_q = nn.Linear(Q_LORA, 24, bias=False)
         _init(self)
 
-    def _apply(self, fn, recurse=True):  # keep the fp32 norm weights fp32 under .to(dtype)
-        super()._apply(fn, recurse)
-        for norm in (self.q_norm, self.kv_norm):
-            norm.weight.data = norm.weight.data.float()
-        return self
+    def _apply(self, fn, recurse=True):  # the norm weights stay fp32 in any model dtype
+        return _keep_fp32(super()._apply(fn, recurse), "q_norm.weight", "kv_norm.weight")
 
     def forward(self, x):
         qr = self.q_norm(self.wq_a(x))
@@ -670,8 +682,8 @@ class LongcatTwoBlocks(nn.Module):
 class RopeSliceNorm(_MLAHeads):
     """Three norms over slices of related projections: ``q_a_layernorm``,
     ``kv_a_layernorm`` on the kv latent, and a small norm on the rope slice of the same
-    projection, computed first (the spelling of issue 27's class 5). The pair is q with
-    the kv latent; the rope-slice norm stays alone."""
+    projection, computed and read first (the spelling of issue 27's class 5). The pair is
+    q with the kv latent; the rope-slice norm stays alone."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -686,8 +698,10 @@ class RopeSliceNorm(_MLAHeads):
         q_c = self.q_a_layernorm(self.q_a_proj(h))
         kv = self.kv_a_proj_with_mqa(h)
         k_pe = self.k_pe_norm(kv[..., KV_LORA:])
+        gate = torch.sigmoid(k_pe.mean(-1, keepdim=True))  # read before the kv latent
+        q = self.q_b_proj(q_c * gate)
         kv_c = self.kv_a_layernorm(kv[..., :KV_LORA])
-        return self.q_b_proj(q_c), self.kv_b_proj(kv_c), k_pe
+        return q, self.kv_b_proj(kv_c)
 
 
 class LatentHeadsSum(_MLAHeads):
