@@ -63,11 +63,11 @@ class Entry:
         return ({f: fused.get(f, 0) for f in ("qkv_rmsnorm", "attn_res", "moe_tail")},
                 sorted(blocks))
 
-    def inputs(self, tokens: int, dtype: torch.dtype, seed: int = 1) -> tuple:
-        g = torch.Generator().manual_seed(seed)
+    def inputs(self, tokens: int, dtype: torch.dtype, seed: int = 1, device="cpu") -> tuple:
+        g = torch.Generator(device).manual_seed(seed)
 
         def rand(*shape):
-            return torch.randn(*shape, generator=g).to(dtype)
+            return torch.randn(*shape, generator=g, device=device).to(dtype)
 
         if self.inputs_kind == "tokens":
             return (rand(tokens, H),)
@@ -81,15 +81,20 @@ class Entry:
 def _init(module: nn.Module, seed: int = 0) -> nn.Module:
     """Weights off their defaults (norm weights off 1, projections of unit-ish gain) so a
     wrong weight, eps or pair is visible in the output."""
-    g = torch.Generator().manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in module.named_parameters():
+            g = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+
+            def randn(*shape):
+                return torch.randn(*shape, generator=g, device=p.device)
+
             if p.dim() == 1:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+                p.copy_(1 + 0.3 * randn(p.shape))
             elif p.dim() == 0:
-                p.copy_(torch.randn((), generator=g))
+                p.copy_(randn(()))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+                p.copy_(randn(p.shape) / math.sqrt(p.shape[-1]))
                 if p.shape[0] == 1:  # a Linear(H, 1) pseudo-query: logits of std ~1
                     p.mul_(3.0)
     return module

@@ -119,3 +119,67 @@ def test_entries_compile_at_any_token_count(kind, tokens, dynamic):
         assert a.shape == b.shape and a.dtype == b.dtype
         scale = b.float().abs().max().item() if b.numel() else 0.0
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05 * max(scale, 1.0))
+
+
+# --------------------------------------------------------------------------- at K3's sizes
+
+#: entry -> (class attributes at K3 size, AttnRes num_blocks fused): K3's block-AttnRes
+#: runs up to 8 completed blocks + the prefix (9 sources); a block closes every layer here.
+K3_SHAPED = {
+    "k3_folded_query": ({"layers": 8, "block": 1}, [k for k in range(1, 9) for _ in (0, 1)]),
+    "k3_sequence_first": ({"layers": 8, "block": 1}, [k for k in range(1, 9) for _ in (0, 1)]),
+    "k3_flattened_projection": ({"layers": 8, "block": 1},
+                                [k for k in range(1, 9) for _ in (0, 1)]),
+    "moonshot_readme": ({}, None),
+    "vllm_test_reference": ({}, None),
+    "hf_deepseek_v3": ({}, None),
+    "vllm_fused_projection": ({}, None),
+    "sglang_absorb_contiguous": ({}, None),
+    "vllm_latent_tail": ({}, None),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(K3_SHAPED))
+def test_k3_shaped_entry_compiled_for_real_on_cuda(name, monkeypatch):
+    """The K3-shaped entries at K3's widths (H 7168, q 1536, kv 512 of 576, latent 3584,
+    up to 9 sources), bf16 on the GPU, compiled with ``backend="k3fusion"`` (Inductor for
+    real, the Triton kernels): the exact sites, and no less accurate than eager against an
+    fp64 copy. ``K3FUSION_CATALOGUE_REPORT=path`` appends one JSON line per entry."""
+    import json
+    import os
+
+    import public_catalogue as cat
+
+    for attr, value in dict(H=7168, Q_LORA=1536, KV_LORA=512, ROPE=64, LATENT=3584).items():
+        monkeypatch.setattr(cat, attr, value)
+    entry = cat.BY_NAME[name]
+    sizes, blocks = K3_SHAPED[name]
+    for attr, value in sizes.items():
+        monkeypatch.setattr(entry.build, attr, value)
+    with torch.device("cuda"):
+        model = entry.build().eval()
+    ref_model = copy.deepcopy(model).double()
+    model = model.to(torch.bfloat16)
+    args = entry.inputs(64, torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        ref = ref_model(*(a.double() for a in args))
+        del ref_model
+        eager = model(*args)
+        out = torch.compile(model, backend="k3fusion", fullgraph=True)(*args)
+    counts = _fused_counts(entry)
+    want = dict(entry.expected(torch.bfloat16)[0])
+    if blocks is not None:
+        want["attn_res"] = len(blocks)
+    e_max, e_mean = _errors(eager, ref)
+    c_max, c_mean = _errors(out, ref)
+    report = dict(entry=name, counts=counts, eager_max=e_max, eager_mean=e_mean,
+                  k3fusion_max=c_max, k3fusion_mean=c_mean,
+                  torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    if os.environ.get("K3FUSION_CATALOGUE_REPORT"):
+        with open(os.environ["K3FUSION_CATALOGUE_REPORT"], "a") as f:
+            f.write(json.dumps(report) + "\n")
+    assert counts == want, report
+    # the mean is the bound (issue 27); the max, a noisier statistic over 8 layers of
+    # Inductor-compiled sublayers, within 2x
+    assert c_mean <= 1.2 * e_mean + 1e-7 and c_max <= 2 * e_max + 1e-6, report
