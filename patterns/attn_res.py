@@ -76,6 +76,12 @@ class AttnResSite:
     #: through a view moving it to -2, in place.
     src_dim: int = -1
 
+    @property
+    def round_dropped(self) -> bool:
+        """An fp32 mix of 16-bit sources: the module's ``.to(dtype)`` before its next norm
+        was dropped by Inductor as a round trip (the norm's ``x_round`` restores it)."""
+        return dtype_of(self.mixed) != dtype_of(self.prefix)
+
 
 def _dim_is(node: Node, dim: int, want: int) -> bool:
     """``dim`` of ``node``'s value is its ``want``-th dim from the end (want < 0)."""
@@ -502,7 +508,8 @@ def _is_source(operand: object, sources: Node, x32: Node) -> list[Node]:
 
 def _mix(div: Node, sources: Node, x32: Node, sd: int) -> tuple[Node, list[Node]]:
     """``sum(p[..., None] * sources, sd)`` or ``einsum('s..., s...h -> ...h', p, V)``
-    (cast back if computed in fp32) -> (mixed, nodes)."""
+    (cast back if computed in fp32; an fp32 mix of 16-bit sources is returned as it is:
+    see ``AttnResSite.round_dropped``) -> (mixed, nodes)."""
     nodes = []
     p = only_user(div)
     for _ in range(2):  # softmax(bf16 logits) rounds to bf16; .float() may follow
@@ -523,10 +530,14 @@ def _mix(div: Node, sources: Node, x32: Node, sd: int) -> tuple[Node, list[Node]
     nodes += more
     mixed = total
     if dtype_of(total) != dtype_of(sources):
-        mixed = only_user(total)
-        if not (is_op(mixed, _CAST) and mixed.args[1] == dtype_of(sources)):
+        user = only_user_or_none(total)
+        if is_op(user, _CAST) and user.args[1] == dtype_of(sources):
+            mixed = user
+            nodes.append(mixed)
+        elif dtype_of(total) != torch.float32:
             raise NoMatch(f"mix is not cast back to {dtype_of(sources)}")
-        nodes.append(mixed)
+        # else an fp32 mix: its cast back may be a round trip Inductor dropped before a
+        # norm (``_plan`` requires that norm, with the rounding restored: x_round)
     want = tuple(s for i, s in enumerate(val(sources).shape) if i != sd)
     if tuple(val(mixed).shape) != want:
         raise NoMatch("the mix keeps the source dim or broadcasts")
@@ -800,8 +811,13 @@ def _plan(graph: Graph, site: AttnResSite, by_input: dict[Node, RMSNormMatch],
     """Decide the folds and check the op accepts the site; raises NoMatch saying why not."""
     out_norm = by_input.get(site.mixed)
     if out_norm is not None and (any(u not in out_norm.nodes for u in site.mixed.users)
-                                 or out_norm.out in claimed):
+                                 or out_norm.out in claimed
+                                 or out_norm.x_round != (dtype_of(site.prefix)
+                                                         if site.round_dropped else None)):
         out_norm = None  # the mix is read elsewhere too (an fp32 norm reads it twice: fine)
+    if site.round_dropped and out_norm is None:
+        raise NoMatch(f"the mix stays fp32 (not rounded to {dtype_of(site.prefix)}) into "
+                      "something other than an RMSNorm of its rounding")
     handoff = _delta_of(site.prefix)
     older = site.blocks if site.blocks is not None else [site.bank]
     if handoff and any(depends_on(b, [site.prefix]) for b in older):
@@ -889,8 +905,9 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]
     """Replace every AttnRes site; returns (sites fused, layer hand-offs among their
     folded deltas -- see :func:`count_handoffs` --, norms still unclaimed, misses)."""
     claimed: set[Node] = set()
-    # Not (yet) norms whose fp32 input lost its 16-bit round trip (RMSNormMatch.x_round).
-    by_input = {m.x: m for m in norms if m.x_round is None}
+    # (a norm whose fp32 input lost its 16-bit round trip, x_round, folds only into a site
+    # whose mix lost it: _plan)
+    by_input = {m.x: m for m in norms}
     stacks = _BlockStacks(graph)
     fused, misses = 0, []
     sites: dict[Node, Node | None] = {}  # every recognized site -> the delta it folded

@@ -772,3 +772,42 @@ def test_tiny_model_dynamic_square_ids_every_site_fused(debug_log):
     compile_capture(model, ids, dynamic=True)
     reasons = [r for r in not_fused_reasons(debug_log) if "squeezed projection" not in r]
     assert attn_res_count() == model.attn_res_sites, reasons
+
+
+class _DroppedRoundTrip(nn.Module):
+    """A site whose ``mixed.to(bf16)`` before the next norm's upcast Inductor dropped as a
+    round trip (torch 2.11 does, on CPU and CUDA): the fp32 mix feeds the norm, whose
+    normalized row is cast to bf16 (``x_round``). Written here in that dropped form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.key_w = nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).bfloat16())
+        self.proj = nn.Linear(H, 1, bias=False).bfloat16()
+        self.out_w = nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).bfloat16())
+
+    def forward(self, b0, b1, prefix):
+        rows = torch.stack([b0, b1, prefix], -2)
+        rf = rows.float()
+        keys = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + KEY_EPS)).to(rows.dtype)
+        p = torch.softmax(self.proj(keys * self.key_w).squeeze(-1).float(), -1)
+        mix32 = (p.unsqueeze(-1) * rf).sum(-2)
+        normed = mix32 * torch.rsqrt(mix32.pow(2).mean(-1, keepdim=True) + OUT_EPS)
+        return normed.to(torch.bfloat16) * self.out_w
+
+
+def test_fp32_mix_whose_round_trip_was_dropped_folds_its_output_norm():
+    """The site fuses with the output norm folded (before issue 27: 'has 2 users'), and
+    equals the graph within one bf16 rounding of the mix (the op rounds it first, as the
+    module before Inductor's drop did)."""
+    m = _DroppedRoundTrip()
+    g = torch.Generator().manual_seed(1)
+    args = tuple(torch.randn(2, 3, H, generator=g).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        expected = m(*args)
+    out, be = compile_capture(m, *args)
+    assert attn_res_count() == 1
+    a = node_args(attn_res_node(be))
+    assert a["out_norm_w"] is not None and a["num_blocks"] == 2
+    assert count_op(be.graph_after, aten.rsqrt.default) == 0
+    torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())

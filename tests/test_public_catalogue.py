@@ -145,7 +145,7 @@ def test_k3_shaped_entry_compiled_for_real_on_cuda(name, monkeypatch):
     """The K3-shaped entries at K3's widths (H 7168, q 1536, kv 512 of 576, latent 3584,
     up to 9 sources), bf16 on the GPU, compiled with ``backend="k3fusion"`` (Inductor for
     real, the Triton kernels): the exact sites, and no less accurate than eager against an
-    fp64 copy. ``K3FUSION_CATALOGUE_REPORT=path`` appends one JSON line per entry."""
+    fp64 copy. ``CATALOGUE_REPORT=path`` appends one JSON line per entry."""
     import json
     import os
 
@@ -176,8 +176,8 @@ def test_k3_shaped_entry_compiled_for_real_on_cuda(name, monkeypatch):
     report = dict(entry=name, counts=counts, eager_max=e_max, eager_mean=e_mean,
                   k3fusion_max=c_max, k3fusion_mean=c_mean,
                   torch=torch.__version__, gpu=torch.cuda.get_device_name())
-    if os.environ.get("K3FUSION_CATALOGUE_REPORT"):
-        with open(os.environ["K3FUSION_CATALOGUE_REPORT"], "a") as f:
+    if os.environ.get("CATALOGUE_REPORT"):
+        with open(os.environ["CATALOGUE_REPORT"], "a") as f:
             f.write(json.dumps(report) + "\n")
     assert counts == want, report
     # the mean is the bound (issue 27); the max, a noisier statistic over 8 layers of
