@@ -3,7 +3,7 @@
 Order: recognize all RMSNorms once (``patterns.rms_norm``), then let each enabled fusion
 claim what it matches, by the priority in docs/architecture.md ("Claims between
 fusions"). Norms no fusion claims stay the aten ops they were. A fusion that fails on a
-graph (a bug) leaves it as it was, with a warning: k3fusion never fails a compile.
+graph (a bug) leaves the graph as it was, with a warning: k3fusion never fails a compile.
 
 ``uuid()`` hashes the pattern sources, the op registry, the config and the torch version,
 so Inductor's FX graph cache never serves a graph compiled under other rules.
@@ -26,7 +26,7 @@ from .config import FusionConfig, get_config
 from .counters import record_matches
 from .patterns.attn_res import FUSION_NAME as ATTN_RES, HANDOFF_NAME, fuse_attn_res
 from .patterns.moe_tail import FUSION_NAME as MOE_TAIL, fuse_moe_tail
-from .patterns._fx import restore, snapshot
+from .patterns._fx import CHANGE_HOOK, restore, snapshot
 from .patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm, pair_qkv_norms
 from .patterns.rms_norm import find_rms_norms
 
@@ -62,10 +62,6 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def _strong_pair_members(graph: Graph, norms) -> set:
-    return pair_qkv_norms(graph, norms).strong_members()
-
-
 class K3FusionPass(CustomGraphPass):
     """Runs the k3fusion fusions on a post-grad FX graph (in place).
 
@@ -80,11 +76,30 @@ class K3FusionPass(CustomGraphPass):
         return self._config if self._config is not None else get_config()
 
     def __call__(self, graph: Graph) -> None:
+        """Run the fusions; on an error of a fusion itself (a bug: matching never raises
+        on a graph it does not understand) the graph goes back to what it was, a warning
+        says so, and the compile goes on: the result is default Inductor's. The graph is
+        copied once, lazily, before the first change (``_fx.before_change``)."""
+        saved: list[Graph] = []
+        setattr(graph, CHANGE_HOOK, lambda: saved or saved.append(snapshot(graph)))
+        try:
+            self._run(graph)
+        except Exception:
+            if RAISE_INTERNAL_ERRORS:
+                raise
+            if saved:
+                restore(graph, saved[0])
+            log.warning("k3fusion: a fusion failed on this graph, which is left unfused "
+                        "(default Inductor compiles it); please report this with the "
+                        "traceback below", exc_info=True)
+        finally:
+            delattr(graph, CHANGE_HOOK)
+
+    def _run(self, graph: Graph) -> None:
         config = self.config
         counts: dict[str, int] = {}
         misses: list[str] = []
         tail_misses: list[str] = []
-        left: list = []
         norms, rejected = find_rms_norms(graph)
         recognized = len(norms)
         # Claims between fusions (docs/architecture.md): AttnRes first (its key norms and
@@ -92,37 +107,26 @@ class K3FusionPass(CustomGraphPass):
         # structure are reserved; the latent-MoE tail takes its latent norm from what is
         # left; the q/kv pass pairs what remains last.
         if config.attn_res:
-            result = self._guarded(graph, ATTN_RES, fuse_attn_res, norms)
-            if result is None:
-                norms, _ = find_rms_norms(graph)
-            else:
-                counts[ATTN_RES], handoffs, norms, misses = result
-                if handoffs:  # a layer's closing add folded into the next site
-                    counts[HANDOFF_NAME] = handoffs
+            counts[ATTN_RES], handoffs, norms, misses = fuse_attn_res(graph, norms)
+            if handoffs:  # a layer's closing add folded into the next site
+                counts[HANDOFF_NAME] = handoffs
         if config.moe_tail:
-            reserved = set()
-            if config.qkv_rmsnorm:
-                reserved = self._guarded(graph, QKV, _strong_pair_members, norms) or set()
-            result = self._guarded(graph, MOE_TAIL, fuse_moe_tail,
-                                   [m for m in norms if m.out not in reserved])
-            if result is None:
-                norms, _ = find_rms_norms(graph)
-            else:
-                n_tail, open_norms, tail_misses = result
-                kept = {m.out for m in open_norms} | reserved
-                norms = [m for m in norms if m.out in kept]
-                if n_tail:  # counted where a graph has tails (dense models report no key)
-                    counts[MOE_TAIL] = n_tail
+            reserved = (pair_qkv_norms(graph, norms).strong_members() if config.qkv_rmsnorm
+                        else set())
+            n_tail, open_norms, tail_misses = fuse_moe_tail(
+                graph, [m for m in norms if m.out not in reserved])
+            kept = {m.out for m in open_norms} | reserved
+            norms = [m for m in norms if m.out in kept]
+            if n_tail:  # counted where a graph has tails (dense models report no key)
+                counts[MOE_TAIL] = n_tail
         left = [(m, "qkv_rmsnorm is disabled (K3FUSION_QKV_RMSNORM=0)") for m in norms]
         if config.qkv_rmsnorm:
-            result = self._guarded(graph, QKV, fuse_qkv_rmsnorm, norms)
-            if result is not None:
-                counts[QKV], left = result
+            counts[QKV], left = fuse_qkv_rmsnorm(graph, norms)
+        graph.lint()
         # Recorded in torch's inductor counters, which Inductor saves with a cached graph
-        # and replays on a cache hit (k3fusion.counters).
+        # and replays on a cache hit (k3fusion.counters); only once the graph is final.
         for name, n in counts.items():
             record_matches(name, n)
-        graph.lint()
 
         log.info("%s; %d RMSNorms recognized, %d left unfused",
                  ", ".join(f"{k} {v} matches" for k, v in counts.items()) or "no fusion enabled",
@@ -136,24 +140,6 @@ class K3FusionPass(CustomGraphPass):
                 log.info("RMSNorm %s (x=%s) not fused: %s", norm.out.name, norm.x.name, why)
             for r in rejected:
                 log.info("rsqrt %s not recognized as RMSNorm: %s", r.anchor.name, r.reason)
-
-    @staticmethod
-    def _guarded(graph: Graph, name: str, fuse, *args):
-        """``fuse(graph, *args)``; on an error of the fusion itself (a bug: matching never
-        raises on a graph it does not understand), the graph goes back to what it was,
-        a warning says so, and the compile goes on without this fusion: the result is
-        default Inductor's. -> the fusion's result, or None after such an error."""
-        saved = snapshot(graph)
-        try:
-            return fuse(graph, *args)
-        except Exception:
-            if RAISE_INTERNAL_ERRORS:
-                raise
-            restore(graph, saved)
-            log.warning("k3fusion: the %s fusion failed on this graph and left it unfused "
-                        "(default Inductor compiles it); please report this with the "
-                        "traceback below", name, exc_info=True)
-            return None
 
     def uuid(self) -> str:
         key = f"{_source_digest()}|{self.config.cache_key()}|torch={torch.__version__}"

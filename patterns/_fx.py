@@ -18,7 +18,7 @@ __all__ = [
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
     "row_padded", "through_row_padding", "slice_args", "keepdim_of",
     "LAYOUT_OPS", "view_layout", "same_size", "inductor_lowers", "insert_call", "all_or_nothing",
-    "snapshot", "restore",
+    "snapshot", "restore", "CHANGE_HOOK", "before_change",
 ]
 
 # Reshapes (what a Linear's [B, S, K] -> [T, K] flattening lowers to).
@@ -246,6 +246,8 @@ def hoist_before(graph: Graph, needed: Iterable[Node], point: Node) -> None:
             raise NoMatch(f"{n.name} cannot move before {point.name}")
         cone.add(n)
         stack.extend(i for i in n.all_input_nodes if order[i] >= limit)
+    if cone:
+        before_change(graph)
     for n in sorted(cone, key=order.__getitem__):
         point.prepend(n)
 
@@ -289,6 +291,7 @@ def insert_call(graph: Graph, target, args: tuple, kwargs: dict | None = None) -
         value = fake_call(target, args, kwargs)
     except (TypeError, ValueError, RuntimeError) as e:
         raise NoMatch(f"{target} refuses the rewrite's inputs: {e}") from None
+    before_change(graph)
     node = graph.call_function(target, args, kwargs)
     node.meta["val"] = value
     return node
@@ -306,6 +309,19 @@ def all_or_nothing(graph: Graph) -> Iterator[None]:
             if n not in before and not n.users:
                 graph.erase_node(n)
         raise
+
+
+#: Attribute a caller may set on a graph: called before the first change a rewrite makes
+#: (the pass manager takes its copy for an undo there, only when something is rewritten).
+CHANGE_HOOK = "_k3fusion_before_change"
+
+
+def before_change(graph: Graph) -> None:
+    """Every rewrite calls this before it changes ``graph`` (``insert_call`` and
+    ``hoist_before`` do)."""
+    hook = getattr(graph, CHANGE_HOOK, None)
+    if hook is not None:
+        hook()
 
 
 def snapshot(graph: Graph) -> Graph:

@@ -129,7 +129,7 @@ def test_an_error_inside_a_fusion_leaves_the_graph_unfused_with_a_warning(monkey
     out, be = _lower(m, args)
     assert count_op(be.graph_final, ATTN_RES) == 0
     assert k3fusion.match_counts()["attn_res"] == 0
-    assert any("the attn_res fusion failed on this graph" in r.getMessage()
+    assert any("a fusion failed on this graph" in r.getMessage()
                for r in caplog.records)
     with torch.no_grad():
         torch.testing.assert_close(out, m(*args), rtol=1e-5, atol=1e-5)
