@@ -399,8 +399,9 @@ def check_mutated_site(module: torch.nn.Module, args: tuple, fusion: str,
                        rounded: torch.dtype) -> int:
     """The mutation tests' rule for one drawn site: run the real passes (no codegen) and
     require ``fusion`` to match exactly when ``expect`` says so; a fused site is compiled
-    again through real Inductor (as users compile it), an unfused one must leave the graph
-    exactly as it was; every output equals eager within ``rounded``'s rounding."""
+    again through Inductor's lowering and codegen (:class:`LoweringBackend`), an unfused
+    one must leave the graph exactly as it was; every output equals eager within
+    ``rounded``'s rounding."""
     with torch.no_grad():
         want = module(*args)
     k3fusion.reset_match_counts()
@@ -411,11 +412,11 @@ def check_mutated_site(module: torch.nn.Module, args: tuple, fusion: str,
         assert fused == int(expect), f"{what}: fused {fused}, expected {int(expect)}"
     else:
         assert fused in (0, 1), what
-    if fused:
+    if fused:  # lowering and codegen for real (the C++ compiler aside: LoweringBackend)
         torch._dynamo.reset()
         k3fusion.reset_match_counts()
         with torch.no_grad(), no_compile_caches():
-            got = torch.compile(module, backend="k3fusion", dynamic=dynamic)(*args)
+            got = torch.compile(module, backend=LoweringBackend(), dynamic=dynamic)(*args)
         assert k3fusion.match_counts().get(fusion, 0) == 1, what
     else:  # left exactly as it was: what Inductor compiles is default Inductor's graph
         assert op_histogram(be.graph_after) == op_histogram(be.graph_before), what

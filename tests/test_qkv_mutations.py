@@ -3,10 +3,9 @@ with public norm spellings (``_norm_spellings``), one random structural mutation
 compiled through Inductor's real passes with the k3fusion pass. For every draw: the compile
 does not raise, the outputs equal eager within the dtype's rounding bound, and the pair is
 fused exactly when both norms are still the op's RMSNorm and the site is still a pair the
-op can take. A fused draw is compiled again with ``backend="k3fusion"`` (lowering and
-codegen, the pair kernel in Triton's interpreter on CPU); an unfused one must leave the
-graph exactly as it was, so what Inductor lowers is default Inductor's graph (C++ codegen
-of every unfused draw would cost ~1 s each on CPU).
+op can take. A fused draw is compiled again through Inductor's lowering and codegen
+(``graph_utils.LoweringBackend``: all but the C++ compiler); an unfused one must leave the
+graph exactly as it was, so what Inductor lowers is default Inductor's graph.
 """
 
 from __future__ import annotations
