@@ -6,6 +6,7 @@ AttnRes's key and output norms, the MoE tail's latent norm).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -84,3 +85,64 @@ def _raw_eps(module: nn.Module):
     if eps is _NO_EPS:
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     return eps
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _settings(m: nn.Module) -> tuple:
+    """A module's class, its instance ``forward`` if one was set, and its plain attributes
+    (eps, a norm style, a precision flag...): what decides its function besides tensors."""
+    plain = tuple((k, v) for k, v in m.__dict__.items()
+                  if isinstance(v, _PLAIN) and not k.startswith("_k3fusion"))
+    return type(m), m.__dict__.get("forward"), plain
+
+
+class ModuleState:
+    """What a spec of ``root`` was derived from, to check cheaply that it still holds: every
+    submodule (the objects, weakly: a replaced child shows), its :func:`_settings` (eps, a
+    norm style, a precision flag, a replaced ``forward``), and each parameter (the object,
+    weakly -- ``load_state_dict(assign=True)`` replaces it -- with its dtype and device:
+    ``.to(dtype)`` keeps the object and changes its data). Values are not part of it: a
+    spec reads its weights at call time."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, root: nn.Module) -> None:
+        self._entries = [(weakref.ref(m), _settings(m),
+                          [(weakref.ref(p), p.dtype, p.device) for p in m._parameters.values()
+                           if p is not None])
+                         for m in root.modules()]
+
+    def holds(self, root: nn.Module) -> bool:
+        mods = list(root.modules())
+        if len(mods) != len(self._entries):
+            return False
+        for m, (ref, settings, params) in zip(mods, self._entries):
+            if ref() is not m or _settings(m) != settings:
+                return False
+            now = [p for p in m._parameters.values() if p is not None]
+            if len(now) != len(params) or any(
+                    r() is not p or p.dtype != dt or p.device != dev
+                    for p, (r, dt, dev) in zip(now, params)):
+                return False
+        return True
+
+
+class CheckedSpec:
+    """``derive(module)`` (a spec, or None), derived again whenever the module's
+    :class:`ModuleState` changes: a patched module follows its weights, eps, dtype and
+    children instead of serving what it saw first."""
+
+    __slots__ = ("derive", "_state", "_spec")
+
+    def __init__(self, derive) -> None:
+        self.derive = derive
+        self._state: ModuleState | None = None
+        self._spec = None
+
+    def get(self, module: nn.Module):
+        if self._state is None or not self._state.holds(module):
+            self._spec = self.derive(module)
+            self._state = ModuleState(module)
+        return self._spec

@@ -3,7 +3,8 @@ fused ``apply_attn_res`` step :func:`k3fusion.eager.patch_model` installs.
 
 A module qualifies when it has the K3 ``apply_attn_res`` contract and a child shaped like
 an AttnRes module; each call checks that its AttnRes and output-norm modules are of the
-standard kind (:func:`attn_res_spec`, verified on a probe) and otherwise runs the original.
+standard kind (:func:`attn_res_spec`, verified on a probe, again whenever their weights,
+eps, dtype or children change) and otherwise runs the original.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from .. import ops, reference
 from ._guards import _records_grad, _Seen
-from ._norm_spec import rms_norm_spec
+from ._norm_spec import CheckedSpec, rms_norm_spec
 
 
 def attn_res(
@@ -92,8 +93,9 @@ def attn_res_spec(res: nn.Module) -> AttnResSpec | None:
 class _FusedAttnResStep:
     """Replaces a module's ``apply_attn_res(prefix, bank, res, num_blocks, *, delta,
     output_norm, block_write_idx) -> (out, prefix, bank)`` (the K3 contract) with the
-    fused kernel; falls back to the original under torch.compile or for non-standard
-    modules, so results never depend on what could be fused.
+    fused kernel. The original step runs under torch.compile, while autograd records,
+    for modules that are not standard, and for calls the op cannot express (counted in
+    :attr:`fallbacks`): results never depend on what could be fused.
     """
 
     def __init__(self, original) -> None:
@@ -101,13 +103,18 @@ class _FusedAttnResStep:
         # Keyed by the module itself, weakly: an id() could be reused by a later module.
         self._specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stacked: tuple[list[_Seen], torch.Tensor] | None = None
+        #: {reason: calls} that ran the original step although the module is standard
+        self.fallbacks: dict[str, int] = {}
 
     def _spec(self, module: nn.Module | None, fn):
+        """The module's spec, derived again when its weights, eps, dtype or children
+        change (:class:`CheckedSpec`); None for no module, False for a non-standard one."""
         if module is None:
             return None
-        if module not in self._specs:
-            self._specs[module] = fn(module) or False
-        return self._specs[module]
+        checked = self._specs.get(module)
+        if checked is None:
+            checked = self._specs[module] = CheckedSpec(fn)
+        return checked.get(module) or False
 
     def _stack(self, blocks: list[torch.Tensor], prefix: torch.Tensor) -> torch.Tensor:
         """The list bank's blocks as one [..., n, H] tensor, reused while they are the same
@@ -138,16 +145,32 @@ class _FusedAttnResStep:
         tensors = [prefix, delta, *(bank if isinstance(bank, list) else [bank])]
         return _records_grad(tensors, [m for m in (res, output_norm) if isinstance(m, nn.Module)])
 
+    @staticmethod
+    def _inexpressible(bank, num_blocks, block_write_idx) -> str | None:
+        """A call of the K3 contract the fused op cannot express, or None."""
+        if isinstance(bank, list):
+            if num_blocks > len(bank):  # the sources would include the block written now
+                return "list bank shorter than num_blocks"
+        elif isinstance(bank, torch.Tensor) and 0 <= block_write_idx < num_blocks:
+            return "block written over a live source (a ring-buffer bank)"
+        return None
+
+    def _fall_back(self, why: str, *args, **kwargs):
+        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        return self.original(*args, **kwargs)
+
     def __call__(self, prefix, bank, res, num_blocks, *, delta=None, output_norm=None,
                  block_write_idx=-1):
+        call = dict(delta=delta, output_norm=output_norm, block_write_idx=block_write_idx)
         if self._run_original(prefix, bank, res, delta, output_norm):
-            return self.original(prefix, bank, res, num_blocks, delta=delta,
-                                 output_norm=output_norm, block_write_idx=block_write_idx)
+            return self.original(prefix, bank, res, num_blocks, **call)
         res_spec = self._spec(res, attn_res_spec)
         out_spec = self._spec(output_norm, rms_norm_spec)
         if not res_spec or (output_norm is not None and not out_spec):
-            return self.original(prefix, bank, res, num_blocks, delta=delta,
-                                 output_norm=output_norm, block_write_idx=block_write_idx)
+            return self.original(prefix, bank, res, num_blocks, **call)
+        why = self._inexpressible(bank, num_blocks, block_write_idx)
+        if why is not None:
+            return self._fall_back(why, prefix, bank, res, num_blocks, **call)
         out_w, out_eps, out_fp32 = ((out_spec.weight, out_spec.eps, out_spec.weight_in_fp32)
                                     if out_spec else (None, 1e-6, False))
         norm_w, eps, proj_w = res_spec.norm_w, res_spec.eps, res_spec.proj_w.view(-1)

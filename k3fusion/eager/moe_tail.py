@@ -6,13 +6,15 @@ latent)))`` through the tier ``k3fusion.moe_tail`` selects per call, and
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
 from ..config import get_config
 from ..moe_tail import _as_tier, run_latent_moe_tail
 from ._guards import _records_grad
-from ._norm_spec import rms_norm_spec
+from ._norm_spec import CheckedSpec, rms_norm_spec
 
 
 class MoETailRunner(nn.Module):
@@ -27,7 +29,9 @@ class MoETailRunner(nn.Module):
     Which tier ran: :attr:`last_tier`, :attr:`tier_counts` (this runner) and
     ``k3fusion.moe_tail.tier_counts()`` (all runners and calls). The runner holds its
     ``norm`` and ``up_proj`` as submodules; :func:`patch_model` installs it without
-    registering it, so a patched model's ``state_dict`` keys do not change.
+    registering it, so a patched model's ``state_dict`` keys do not change. The norm's
+    eps and formulation are read again when its parameters, dtype or eps change (a norm
+    that is no longer standard then is a TypeError).
     """
 
     def __init__(self, norm: nn.Module, up_proj: nn.Module, group=None, *, tier=None) -> None:
@@ -41,7 +45,8 @@ class MoETailRunner(nn.Module):
             raise ValueError(f"up_proj takes {up_proj.in_features} features but norm is "
                              f"{spec.weight.shape[0]} wide")
         self.norm, self.up_proj, self.group = norm, up_proj, group
-        self._eps, self._weight_in_fp32 = spec.eps, spec.weight_in_fp32
+        self._norm_spec = CheckedSpec(rms_norm_spec)
+        self._norm_spec.get(norm)
         self.tier = None if tier is None else _as_tier(tier)
         self.last_tier = None
         # Load the config now (reads the environment): a first load inside a compiled
@@ -53,13 +58,21 @@ class MoETailRunner(nn.Module):
                 donate_shared: bool = False) -> torch.Tensor:
         """Per-rank partials ``routed_latent [..., L]``, ``shared [..., H]`` -> ``[..., H]``.
         ``donate_shared``: ``shared`` is a temporary the tail may overwrite."""
+        spec = self.norm_spec()
+        if spec is None:
+            raise TypeError(f"norm ({type(self.norm).__name__}) is no longer a standard RMSNorm "
+                            "(it changed after the runner was made)")
         y, tier = run_latent_moe_tail(
-            routed_latent, shared, self.norm.weight, self._eps, self.up_proj.weight, self.group,
-            weight_in_fp32=self._weight_in_fp32, tier=self.tier, donate_shared=donate_shared)
+            routed_latent, shared, self.norm.weight, spec.eps, self.up_proj.weight, self.group,
+            weight_in_fp32=spec.weight_in_fp32, tier=self.tier, donate_shared=donate_shared)
         if not torch.compiler.is_compiling():
             self.last_tier = tier
             self.tier_counts[tier.value] = self.tier_counts.get(tier.value, 0) + 1
         return y
+
+    def norm_spec(self):
+        """The norm's spec as it is now (derived again after a change), or None."""
+        return self._norm_spec.get(self.norm)
 
     def extra_repr(self) -> str:
         return f"tier={'auto' if self.tier is None else self.tier.value}"
@@ -67,15 +80,38 @@ class MoETailRunner(nn.Module):
 
 class _MoETailStep:
     """Replaces a latent MoE's ``tail(routed_latent, shared)``: the module's partials are
-    its own temporaries, so the runner may accumulate into ``shared``."""
+    its own temporaries, so the runner may accumulate into ``shared``. Follows the
+    module: a swapped ``latent_norm`` or ``up_proj`` gets a new runner; one that is not of
+    the fused kind runs the original tail (counted in :attr:`fallbacks`)."""
 
-    def __init__(self, runner: MoETailRunner, original) -> None:
+    def __init__(self, runner: MoETailRunner, original, owner: nn.Module) -> None:
         self.runner, self.original = runner, original
+        self._owner = weakref.ref(owner)
+        self.fallbacks: dict[str, int] = {}
+
+    def _current_runner(self) -> MoETailRunner | str:
+        owner = self._owner()
+        norm, up = owner.latent_norm, owner.up_proj
+        if self.runner.norm is not norm or self.runner.up_proj is not up:
+            try:
+                self.runner = MoETailRunner(norm, up, owner.tp_group)
+            except (TypeError, ValueError) as e:
+                return str(e)
+            owner.__dict__["_k3fusion_moe_tail"] = self.runner
+        if self.runner.norm_spec() is None:
+            return "latent_norm is no longer a standard RMSNorm"
+        if not isinstance(up, nn.Linear) or up.bias is not None:
+            return "up_proj is no longer an nn.Linear without bias"
+        return self.runner
 
     def __call__(self, routed_latent, shared):
         if _records_grad((routed_latent, shared), (self.runner.norm, self.runner.up_proj)):
             return self.original(routed_latent, shared)  # the fused tiers have no backward
-        return self.runner(routed_latent, shared, donate_shared=True)
+        runner = self._current_runner()
+        if isinstance(runner, str):
+            self.fallbacks[runner] = self.fallbacks.get(runner, 0) + 1
+            return self.original(routed_latent, shared)
+        return runner(routed_latent, shared, donate_shared=True)
 
 
 def is_latent_moe(module: nn.Module) -> bool:
@@ -95,7 +131,7 @@ def _swap_tail(module: nn.Module) -> str | None:
     except (TypeError, ValueError) as e:
         return str(e)
     # Through __dict__: nn.Module.__setattr__ would register the runner as a child.
-    module.__dict__["tail"] = _MoETailStep(runner, module.tail)
+    module.__dict__["tail"] = _MoETailStep(runner, module.tail, module)
     module.__dict__["_k3fusion_moe_tail"] = runner
     return None
 

@@ -7,6 +7,7 @@ each module; :class:`PatchReport` collects what they say.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -25,14 +26,32 @@ FUSED_WHEN = ("patched modules run their fused kernels only where autograd recor
 @dataclass
 class PatchReport:
     """What :func:`patch_model` did: module names patched, and skipped with the reason;
-    ``notes``: when the patched modules fall back to the original ones."""
+    ``notes``: when the patched modules fall back to the original ones; :meth:`fallbacks`:
+    the calls that did, counted as they happen."""
 
     patched: list[str]
     skipped: dict[str, str]
     notes: list[str] = field(default_factory=lambda: [FUSED_WHEN])
+    model: object = field(default=None, repr=False, compare=False)  # weakref to the model
 
     def __len__(self) -> int:
         return len(self.patched)
+
+    def fallbacks(self) -> dict[str, dict[str, int]]:
+        """``{module name: {reason: calls}}``: calls of a patched, standard module that ran
+        the original step because the fused op cannot express them (a ring-buffer bank
+        written over a live source, a list bank shorter than ``num_blocks``, a latent
+        norm or up-projection swapped for one of another kind), since patching."""
+        model = self.model() if self.model is not None else None
+        if model is None:
+            return {}
+        found = {}
+        for name, m in model.named_modules():
+            for step in (m.__dict__.get("_k3fusion_attn_res"), m.__dict__.get("tail")):
+                counts = getattr(step, "fallbacks", None)
+                if counts:
+                    found[name] = {**found.get(name, {}), **counts}
+        return found
 
 
 #: ``(fusion, detector, patcher)``, tried in this order on every module (a module may have
@@ -73,7 +92,7 @@ def patch_model(model: nn.Module) -> PatchReport:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    report = PatchReport([], {})
+    report = PatchReport([], {}, model=weakref.ref(model))
     for name, module in list(model.named_modules()):
         for _fusion, detects, patch in PATCHERS:
             if not detects(module):

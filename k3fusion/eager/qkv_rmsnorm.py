@@ -18,7 +18,7 @@ from torch import nn
 from .. import reference
 from ..ops import check_rms_norm_args
 from ._guards import _records_grad, _Seen
-from ._norm_spec import _raw_eps, rms_norm_spec
+from ._norm_spec import CheckedSpec, rms_norm_spec
 
 log = logging.getLogger("k3fusion")
 
@@ -52,24 +52,31 @@ def fused_qkv_rmsnorm(
 class FusedQKVRMSNorm(nn.Module):
     """The q/kv norm pair of one attention module as a single fused call.
 
-    Keeps the original norm modules (their parameters stay where they were).
+    Keeps the original norm modules (their parameters stay where they were); their eps and
+    formulation are read again whenever their parameters, dtype or eps change.
     """
 
     def __init__(self, q_norm: nn.Module, kv_norm: nn.Module) -> None:
         super().__init__()
-        q_spec, kv_spec = rms_norm_spec(q_norm), rms_norm_spec(kv_norm)
-        if q_spec is None:
+        self._q_spec, self._kv_spec = CheckedSpec(rms_norm_spec), CheckedSpec(rms_norm_spec)
+        if self._q_spec.get(q_norm) is None:
             raise TypeError(f"q_norm ({type(q_norm).__name__}) is not a standard RMSNorm")
-        if kv_spec is None:
+        if self._kv_spec.get(kv_norm) is None:
             raise TypeError(f"kv_norm ({type(kv_norm).__name__}) is not a standard RMSNorm")
         self.q_norm, self.kv_norm = q_norm, kv_norm
-        self._q_fp32, self._kv_fp32 = q_spec.weight_in_fp32, kv_spec.weight_in_fp32
-        self._q_eps, self._kv_eps = q_spec.eps, kv_spec.eps
+
+    def specs(self):
+        """Both norms' specs as they are now (None where a norm is no longer standard)."""
+        return self._q_spec.get(self.q_norm), self._kv_spec.get(self.kv_norm)
 
     def forward(self, q_c: torch.Tensor, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_spec, kv_spec = self.specs()
+        if q_spec is None or kv_spec is None:
+            raise TypeError("a norm is no longer a standard RMSNorm (it changed after this "
+                            "module was made)")
         return fused_qkv_rmsnorm(
-            q_c, self.q_norm.weight, self._q_eps, kv_c, self.kv_norm.weight, self._kv_eps,
-            q_weight_in_fp32=self._q_fp32, kv_weight_in_fp32=self._kv_fp32)
+            q_c, self.q_norm.weight, q_spec.eps, kv_c, self.kv_norm.weight, kv_spec.eps,
+            q_weight_in_fp32=q_spec.weight_in_fp32, kv_weight_in_fp32=kv_spec.weight_in_fp32)
 
 
 def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -116,6 +123,8 @@ class _Stash:
     kv_c: _Seen
     kv_norm_state: _ModuleState
     kv_out: torch.Tensor | None
+    #: the norms' specs the results were computed with (the same objects while they hold)
+    specs: tuple
 
 
 class _QKVPrefetch:
@@ -131,7 +140,6 @@ class _QKVPrefetch:
         self.q_norm, self.kv_norm = attn.q_a_layernorm, attn.kv_a_layernorm
         self.original = {m: m.forward for m in (self.q_proj, self.kv_proj, self.q_norm, self.kv_norm)}
         self.kv_lora = int(self.kv_norm.weight.shape[0])
-        self._eps_at_patch = (_raw_eps(self.q_norm), _raw_eps(self.kv_norm))
         self.stash: _Stash | None = None
 
     def install(self) -> None:
@@ -146,14 +154,18 @@ class _QKVPrefetch:
         return (isinstance(x, torch.Tensor) and _can_fuse(x)
                 and not _records_grad((x,), self.original))
 
-    def _eps_unchanged(self) -> bool:
-        return (_raw_eps(self.q_norm) == self._eps_at_patch[0]
-                and _raw_eps(self.kv_norm) == self._eps_at_patch[1])
+    def _specs_hold(self, used=None) -> bool:
+        """Both norms are still of the standard kind (their specs follow any change) --
+        and, given the specs a stashed result used, still those very specs."""
+        now = self.fused.specs()
+        if used is not None:
+            return all(a is b for a, b in zip(now, used))
+        return None not in now
 
     def project_q(self, hidden: torch.Tensor) -> torch.Tensor:
         self.stash = None
         q_c = self.original[self.q_proj](hidden)
-        if not self._fusable(hidden) or not self._eps_unchanged():
+        if not self._fusable(hidden) or not self._specs_hold():
             return q_c
         try:  # the prefetch must not raise where the module would not have been called
             kv = self.original[self.kv_proj](hidden)
@@ -161,16 +173,17 @@ class _QKVPrefetch:
             log.debug("k3fusion eager: q/kv prefetch skipped: %s", e)
             return q_c
         kv_c = kv[..., : self.kv_lora]
+        q_spec, kv_spec = self.fused.specs()
         try:
-            check_rms_norm_args(q_c, self.q_norm.weight, self.fused._q_eps, x_name="q_c")
-            check_rms_norm_args(kv_c, self.kv_norm.weight, self.fused._kv_eps, x_name="kv_c")
+            check_rms_norm_args(q_c, self.q_norm.weight, q_spec.eps, x_name="q_c")
+            check_rms_norm_args(kv_c, self.kv_norm.weight, kv_spec.eps, x_name="kv_c")
         except (TypeError, ValueError) as e:  # unusual layout: let the modules run as written
             log.debug("k3fusion eager: q/kv prefetch skipped: %s", e)
             return q_c
         q_out, kv_out = self.fused(q_c, kv_c)
         self.stash = _Stash(_Seen(hidden), _ModuleState(self.kv_proj), kv,
                             _Seen(q_c), _ModuleState(self.q_norm), q_out,
-                            _Seen(kv_c), _ModuleState(self.kv_norm), kv_out)
+                            _Seen(kv_c), _ModuleState(self.kv_norm), kv_out, (q_spec, kv_spec))
         return q_c
 
     def project_kv(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -184,7 +197,7 @@ class _QKVPrefetch:
     def norm_q(self, x: torch.Tensor) -> torch.Tensor:
         s = self.stash
         if (s is not None and s.q_out is not None and s.q_c.matches(x)
-                and s.q_state.unchanged() and self._fusable(x) and self._eps_unchanged()):
+                and s.q_state.unchanged() and self._fusable(x) and self._specs_hold(s.specs)):
             out, s.q_out = s.q_out, None
             return out
         return self.original[self.q_norm](x)
@@ -192,7 +205,7 @@ class _QKVPrefetch:
     def norm_kv(self, x: torch.Tensor) -> torch.Tensor:
         s = self.stash
         if (s is not None and s.kv_out is not None and s.kv_c.matches(x)
-                and s.kv_norm_state.unchanged() and self._fusable(x) and self._eps_unchanged()):
+                and s.kv_norm_state.unchanged() and self._fusable(x) and self._specs_hold(s.specs)):
             out, s.kv_out = s.kv_out, None
             if s.q_out is None:
                 self.stash = None  # the step is complete; drop the references
