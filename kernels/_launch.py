@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["cdiv", "interpreter_enabled", "check_launchable", "counter_buffer",
+__all__ = ["cdiv", "interpreter_enabled", "check_launchable", "launch_scratch",
            "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait"]
 
 try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
@@ -92,35 +92,16 @@ def check_launchable(*tensors: torch.Tensor) -> None:
     )
 
 
-_counter_buffers: dict[tuple, torch.Tensor] = {}
-#: Buffers a larger one replaced: a captured CUDA graph may still use their addresses.
-_retired: list[torch.Tensor] = []
+def launch_scratch(device: torch.device, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed words for one launch of a kernel whose programs exchange data through global
+    memory (the fused tail's split-K arrival counters, the AttnRes split kernel's
+    epoch-tagged records), from the caching allocator, for this launch only.
 
-
-def counter_buffer(name: str, device: torch.device, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Zeroed counters for a kernel whose programs synchronize through global atomics and
-    that leaves every counter in a state any later launch accepts, zero included (its
-    contract with this cache): the fused tail's arrival counters go back to zero; the
-    AttnRes split kernel adds one epoch to each token's launch counter and rewrites every
-    word of its records, so a fresh zeroed buffer is as valid a start as any later state.
-
-    Cached per (name, device, stream): launches on one stream are serialized, two streams
-    never share counters. Grown only outside a CUDA-graph capture; replaced buffers stay
-    alive, since a captured graph may still use them. Inside a capture, a cached buffer
-    that is large enough is used (it was zeroed eagerly and every launch leaves it in a
-    valid start state); otherwise this launch gets a fresh zeroed buffer of its own (its
-    zeroing is captured with it) that is not cached -- never a cache entry whose zeroing
-    would only happen when one particular graph replays.
+    So they belong to what the launch belongs to: the stream it runs on (eager; the
+    allocator orders reuse across streams), or the CUDA graph capturing it (the graph's
+    pool; the zeroing is a node of the graph). Two launches never share words -- not on
+    two streams, not in two graphs replayed at once -- and nothing outlives the call, so
+    a CUDA-graph tree's warm-up run leaves no tensor alive in its pool. The cost: one
+    memset on the launch's stream (docs/design-notes.md, "Scratch memory").
     """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (name, device.type, device.index, stream)
-    buf = _counter_buffers.get(key)
-    if buf is not None and buf.numel() >= size:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(size, dtype=dtype, device=device)
-    if buf is not None:
-        _retired.append(buf)
-    buf = torch.zeros(max(size, 1024), dtype=dtype, device=device)
-    _counter_buffers[key] = buf
-    return buf
+    return torch.zeros(max(size, 1), dtype=dtype, device=device)

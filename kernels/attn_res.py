@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (cdiv, check_launchable, counter_buffer, interpreter_enabled,
+from ._launch import (cdiv, check_launchable, interpreter_enabled, launch_scratch,
                       on_tensor_device)
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
@@ -646,6 +646,7 @@ def attn_res(
     loop_stages: int = 0,
     early_tile: bool | None = None,
     use_table: bool = True,
+    words: torch.Tensor | None = None,
 ) -> None:
     """Launch the AttnRes kernel on row views.
 
@@ -660,7 +661,9 @@ def attn_res(
     ``kind``, ``chunk``, ``split_max_tokens``, ``loop_stages``, ``early_tile`` and
     ``use_table`` override :func:`pick_launch_shape` (benchmark sweeps, tests); ``split_phases`` runs the split kernel as separate launches
     (one launch per phase, three with an output norm: what the interpreter always does;
-    a GPU test compares the two forms).
+    a GPU test compares the two forms). ``words`` (tests of the exchange protocol): the
+    split kernel's words, given (at least ``T`` x words per token, int64) instead of fresh
+    zeroed ones.
     """
     tensors = [prefix, blocks, norm_w, proj_w, out]
     if delta is not None:
@@ -720,7 +723,7 @@ def attn_res(
     if n_chunks == 1:
         # One program per token: no exchange, so no words (any int64 tensor stands in)
         # and one launch everywhere, the interpreter included.
-        words = counter_buffer("attn_res/solo", prefix.device, 1, torch.int64)
+        words = torch.empty(1, dtype=torch.int64, device=prefix.device)
         _attn_res_split_kernel[(1, T)](*common, words, H, float(eps), float(out_eps),
                                        CHUNK=shape.chunk, N_CHUNKS=1, N_CHUNKS_PAD=1,
                                        S_PAD=s_pad, PHASE=0, **flags)
@@ -734,10 +737,10 @@ def attn_res(
         for phase in (1, 2, 3) if has_norm else (1, 2):
             _attn_res_split_kernel[(n_chunks, T)](*args, PHASE=phase, **split)
         return
-    # One buffer per record layout (chunks x sources), counters and records together, so
-    # both are always replaced together (module docstring: why a poll never accepts a
-    # stale word).
-    words = counter_buffer(f"attn_res/{n_chunks}x{s_pad}", prefix.device, T * token_words,
-                           torch.int64)
+    # Counters and records of this launch only, zeroed (launch_scratch): a poll waits only
+    # for words this launch's programs of the same token write (docs/design-notes.md,
+    # "Scratch memory": why it terminates). ``words`` (tests): the caller's buffer instead.
+    if words is None:
+        words = launch_scratch(prefix.device, T * token_words, torch.int64)
     _attn_res_split_kernel[(n_chunks, T)](*common, words, H, float(eps), float(out_eps),
                                           PHASE=0, **split)

@@ -28,7 +28,7 @@ import triton.language as tl
 from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
-from ._launch import (TL_DTYPES, _kernels_are_interpreted, cdiv, counter_buffer,
+from ._launch import (TL_DTYPES, _kernels_are_interpreted, cdiv, launch_scratch,
                       gdc_launch_dependents, gdc_wait, interpreter_enabled, on_tensor_device)
 from .rms_norm import rms_norm
 
@@ -558,7 +558,7 @@ def latent_moe_tail_fused(
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, tokens, hidden), dtype=torch.float32, device=up_w.device)
         # Every launch leaves the counters at 0 (the last arrival resets its tile's).
-        lock = counter_buffer("moe_tail", up_w.device, tiles * m_tiles, torch.int32)
+        lock = launch_scratch(up_w.device, tiles * m_tiles, torch.int32)
     else:
         ws = lock = out  # never read
     rinv = out  # never read

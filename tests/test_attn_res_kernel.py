@@ -965,13 +965,16 @@ class TestAttnResCuda:
                      inplace=False, eps=1e-6, out_eps=1e-6, log2_scale=0)
             run_and_check(c, seed=nb, bf16_casts_truncate=False, device="cuda")
 
-    def test_split_kernel_in_a_cuda_graph(self) -> None:
-        """Captured once, replayed several times: the launch counters and the epoch-tagged
-        partial sums (the stream's cached buffer for this record layout; each launch adds
-        exactly one epoch to a token's counter and never resets it) stay right."""
-        from k3fusion.kernels import _launch
+    def test_split_kernel_in_a_cuda_graph(self, monkeypatch) -> None:
+        """Captured once, replayed several times: the graph owns its words (allocated and
+        zeroed in the capture, ``_launch.launch_scratch``), each of its launches adds one
+        epoch to a token's counter, and the output stays right."""
+        import importlib
+
         from k3fusion.kernels.attn_res import SYNC_EPOCH
 
+        kernel_mod = importlib.import_module("k3fusion.kernels.attn_res")  # (the package
+        # attribute of that name is the launcher)
         c = replace(_K3, T=3, H=7168, num_blocks=8, nb_max=9, write_idx=-1, chunk=512,
                     inplace=False)
         x = make_inputs(c, 5, "cuda")
@@ -983,16 +986,17 @@ class TestAttnResCuda:
                 launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, c.eps, out, delta=x.delta,
                        prefix_out=new, out_norm_w=x.out_norm_w, out_eps=c.out_eps, **c.shape)
 
+        made, real = [], kernel_mod.launch_scratch
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            step()  # eager first, on the capture stream: its counter buffer is cached now
+            step()  # compile
             torch.cuda.synchronize()
-            # 512-column chunks of 7168: 14 programs (16 record slots), 9 sources (16 rows)
-            key = ("attn_res/14x16", "cuda", x.prefix.device.index, stream.cuda_stream)
-            counters = _launch._counter_buffers[key]
+            monkeypatch.setattr(kernel_mod, "launch_scratch",
+                                lambda *a: made.append(real(*a)) or made[-1])
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 step()
+        assert len(made) == 3
         expected_out = torch.empty_like(out)
         launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, c.eps, expected_out, delta=x.delta,
                prefix_out=new, out_norm_w=x.out_norm_w, out_eps=c.out_eps, split_phases=True,
@@ -1002,20 +1006,18 @@ class TestAttnResCuda:
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(bits(out), bits(expected_out))
-        # The graph used the cached counters (no per-capture buffer), which kept growing.
-        assert _launch._counter_buffers[key] is counters
-        # Each token's counter (word 0 of its 1 + 16 * (2 * 16 + 1) words): 3 eager launches
-        # and 3 per replay, one epoch each.
-        used = counters[:c.T * 529:529]
-        assert used.tolist() == [SYNC_EPOCH.value * (3 + 3 * 3)] * c.T, used
+            # the last launch's words, zeroed in the graph: one epoch per token counter
+            # (word 0 of its 1 + 16 * (2 * 16 + 1) words)
+            used = made[-1][:c.T * 529:529]
+            assert used.tolist() == [SYNC_EPOCH.value] * c.T, used
 
     def test_split_exchange_never_accepts_a_stale_word(self) -> None:
-        """Every record word poisoned with NaN bits tagged with the previous launch's epoch
-        -- what a stale word holds at worst (module docstring) -- before a launch: the
-        programs must wait for this launch's words, so the output equals the phased
-        launches'. A poll that did not check the epoch, or a kernel that did not wait,
-        would read the NaNs."""
-        from k3fusion.kernels import _launch
+        """The exchange protocol on a reused buffer (the ``words`` test hook): every record
+        word poisoned with NaN bits tagged with the previous launch's epoch -- what a stale
+        word holds at worst -- before a launch: the programs must wait for this launch's
+        words, so the output equals the phased launches'. A poll that did not check the
+        epoch, or a kernel that did not wait, would read the NaNs. (Launches get fresh
+        zeroed words of their own; this holds the protocol to its own rule.)"""
         from k3fusion.kernels.attn_res import SYNC_EPOCH
 
         T, H, nb = 3, 7168, 8
@@ -1026,6 +1028,9 @@ class TestAttnResCuda:
 
         prefix, blocks = rand(T, H), rand(T, nb + 1, H)
         norm_w, proj_w, out_w = 1 + rand(H) / 10, rand(H) / H**0.5, 1 + rand(H) / 10
+        # 1024-column chunks of 7168: 7 programs (8 record slots); 9 sources (16 rows)
+        per_token = 1 + 8 * (2 * 16 + 1)
+        buf = torch.zeros(T * per_token, dtype=torch.int64, device="cuda")
 
         def run(**kw):
             out = torch.empty_like(prefix)
@@ -1033,22 +1038,17 @@ class TestAttnResCuda:
                    kind="split", **kw)
             return out
 
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            want = run(split_phases=True)
-            assert torch.equal(run(), want)  # caches this stream's buffer
-            # 1024-column chunks of 7168: 7 programs (8 record slots); 9 sources (16 rows)
-            key = ("attn_res/7x16", "cuda", prefix.device.index, stream.cuda_stream)
-            per_token = 1 + 8 * (2 * 16 + 1)
-            words = _launch._counter_buffers[key][:T * per_token].view(T, per_token)
-            for _ in range(3):
-                last_epoch = words[:, :1] // SYNC_EPOCH.value
-                words[:, 1:] = (last_epoch << 32) | 0x7FC00000  # a quiet NaN's bits
-                out = run()
-                torch.cuda.synchronize()
-                assert torch.equal(out, want)
-                used = words[:, 1:1 + 7 * (2 * 16 + 1)]  # the 7 chunks' records
-                assert not bool((used >> 32 == last_epoch).any())  # every word rewritten
+        want = run(split_phases=True)
+        assert torch.equal(run(words=buf), want)
+        words = buf.view(T, per_token)
+        for _ in range(3):
+            last_epoch = words[:, :1] // SYNC_EPOCH.value
+            words[:, 1:] = (last_epoch << 32) | 0x7FC00000  # a quiet NaN's bits
+            out = run(words=buf)
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+            used = words[:, 1:1 + 7 * (2 * 16 + 1)]  # the 7 chunks' records
+            assert not bool((used >> 32 == last_epoch).any())  # every word rewritten
 
     def test_int64_offsets(self) -> None:
         """A bank whose last slot starts past 2**31 elements (4 GiB of bf16): int32

@@ -1,6 +1,17 @@
-"""``kernels/_launch.py``: the counter buffers the synchronizing kernels share."""
+"""``kernels/_launch.py``: the scratch words the synchronizing kernels exchange data through.
+
+Each launch gets its own zeroed words from the caching allocator (``launch_scratch``): the
+stream or the CUDA graph of the launch owns them. Before issue 29 they came from a cache
+per (kernel, device, stream): two graphs captured on one stream shared them, and replayed
+at once on two streams the AttnRes split kernel waited forever for an epoch that never
+came; a CUDA-graph tree's warm-up left the cached buffer alive in its private pool.
+"""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -8,17 +19,13 @@ import torch
 from k3fusion.kernels import _launch
 
 
-def test_counter_buffer_is_cached_zeroed_and_never_freed_when_grown():
+def test_launch_scratch_is_fresh_and_zeroed_per_call():
     cpu = torch.device("cpu")
-    a = _launch.counter_buffer("test", cpu, 10, torch.int64)
-    assert a.dtype == torch.int64 and a.numel() >= 10 and not a.any()
-    assert _launch.counter_buffer("test", cpu, a.numel(), torch.int64) is a  # cached
-    assert _launch.counter_buffer("other", cpu, 10, torch.int64) is not a    # per name
-    b = _launch.counter_buffer("test", cpu, a.numel() + 1, torch.int64)     # grown
-    assert b is not a and b.numel() > a.numel() and not b.any()
-    # A captured CUDA graph may still hold the old address: it stays alive.
-    assert any(r is a for r in _launch._retired)
-    assert _launch.counter_buffer("test", cpu, 5, torch.int64) is b
+    a = _launch.launch_scratch(cpu, 10, torch.int64)
+    b = _launch.launch_scratch(cpu, 10, torch.int64)
+    assert a.dtype == torch.int64 and a.numel() == 10 and not a.any()
+    assert a is not b and a.data_ptr() != b.data_ptr()
+    assert _launch.launch_scratch(cpu, 0, torch.int32).numel() == 1  # a pointer to pass
 
 
 def _split_attn_res_step(tokens: int, seed: int):
@@ -44,8 +51,8 @@ def _split_attn_res_step(tokens: int, seed: int):
 
 
 def _split_k_tail_step(tokens: int, seed: int):
-    """Inputs and a launch of the split-K fused tail (the last program per tile resets a
-    counter)."""
+    """Inputs and a launch of the split-K fused tail (the last program per tile finishes
+    the tile: arrival counters)."""
     from k3fusion.kernels.moe_tail import latent_moe_tail_fused
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -57,39 +64,18 @@ def _split_k_tail_step(tokens: int, seed: int):
     return lambda: latent_moe_tail_fused(x, s, w, 1e-6, up, split_k=4)
 
 
-def _attn_res_counters_ok(buf: torch.Tensor) -> bool:
-    from k3fusion.kernels.attn_res import SYNC_EPOCH
-
-    # Each of the 4 tokens' words starts with its launch counter (1 + 8 chunk records of
-    # 2 * 8 + 1 words per token): one epoch per launch -- 2 eager, 8 replays -- never reset.
-    used = buf[:4 * 137:137]
-    return used.tolist() == [10 * SYNC_EPOCH.value] * 4
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("make_step,name,counters_ok", [
-    # H 1536 in 256-column chunks (6 programs, 8 record slots), 5 sources (8 rows)
-    (_split_attn_res_step, "attn_res/6x8", _attn_res_counters_ok),
-    (_split_k_tail_step, "moe_tail", lambda buf: not bool(buf.any())),
-], ids=["attn_res_split", "moe_tail_split_k"])
-def test_two_graphs_on_one_stream_replay_in_any_order(make_step, name, counters_ok):
-    """Two graphs captured on one stream share that stream's cached counter buffer; every
-    launch leaves it in a valid start state (the tail's arrival counters at zero; the
-    AttnRes split kernel's counters one epoch further, every word of its records
-    rewritten), so replaying the second graph first (and then alternating) gives each
-    graph's eager result exactly."""
-    from k3fusion.kernels import _launch
-
+@pytest.mark.parametrize("make_step", [_split_attn_res_step, _split_k_tail_step],
+                         ids=["attn_res_split", "moe_tail_split_k"])
+def test_two_graphs_on_one_stream_replay_in_any_order(make_step):
+    """Two graphs captured on one stream, replayed in any order: each gives its eager
+    result exactly (each owns the words of its launch)."""
     steps = [make_step(4, seed) for seed in (1, 2)]
     stream = torch.cuda.Stream()
     graphs, outs = [], []
     with torch.cuda.stream(stream):
-        # Eager first, on the capture stream: the results to expect, and the stream's
-        # counter buffer cached before any capture (so the graphs share it).
         want = [step().clone() for step in steps]
         torch.cuda.synchronize()
-        key = (name, "cuda", torch.cuda.current_device(), stream.cuda_stream)
-        counters = _launch._counter_buffers[key]
         for step in steps:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
@@ -100,4 +86,47 @@ def test_two_graphs_on_one_stream_replay_in_any_order(make_step, name, counters_
             graphs[i].replay()
             torch.cuda.synchronize()
             assert torch.equal(outs[i], want[i]), f"graph {i} in order {order}"
-    assert _launch._counter_buffers[key] is counters and counters_ok(counters)
+
+
+_CONCURRENT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, "tests")
+    from test_launch import _split_attn_res_step, _split_k_tail_step
+    make = {"attn_res": _split_attn_res_step, "moe_tail": _split_k_tail_step}[sys.argv[1]]
+    steps = [make(4, 1), make(2, 2)]          # two graphs of different T
+    capture = torch.cuda.Stream()
+    graphs, outs, want = [], [], []
+    with torch.cuda.stream(capture):
+        want = [s().clone() for s in steps]
+        torch.cuda.synchronize()
+        for s in steps:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=capture):
+                outs.append(s())
+            graphs.append(g)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for i in range(1000):                      # both graphs in flight at once
+        for g, st in zip(graphs, streams):
+            with torch.cuda.stream(st):
+                g.replay()
+        if i % 100 == 99:
+            torch.cuda.synchronize()
+            assert all(torch.equal(o, w) for o, w in zip(outs, want)), i
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, w) for o, w in zip(outs, want))
+    print("ok")
+""")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["attn_res", "moe_tail"])
+def test_graphs_replayed_concurrently_on_two_streams_never_hang(kernel):
+    """Two graphs of different T replayed on two streams at once, 1000 times, in a child
+    process under a timeout (a spin-wait that never ends cannot be interrupted in-process):
+    no hang, every result right."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CONCURRENT, kernel], capture_output=True,
+                              text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{kernel}: graphs replayed on two streams did not finish in 180 s (a hang)")
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -245,15 +245,28 @@ def test_prenorm_and_row_tiles_match_reference(c, opts, seed):
     run_and_check(c, seed, opts)
 
 
-def test_prenorm_split_k_is_deterministic_and_leaves_counters_at_zero():
+def _scratch_spy(monkeypatch) -> list[torch.Tensor]:
+    """The split-K counters each launch allocates (``_launch.launch_scratch``)."""
+    made = []
+    real = kernel_mod.launch_scratch
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(kernel_mod, "launch_scratch", spy)
+    return made
+
+
+def test_prenorm_split_k_is_deterministic_and_leaves_counters_at_zero(monkeypatch):
     c = Case(40, 150, 70, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
     opts = {"split_k": 4, "block_n": 16, "block_k": 16, "prenorm": True, "block_m": 16}
+    locks = _scratch_spy(monkeypatch)
     ys = [run_and_check(c, 3, opts) for _ in range(2)]
     assert torch.equal(ys[0], ys[1])
-    from k3fusion.kernels import _launch
-
-    locks = [b for k, b in _launch._counter_buffers.items() if k[0] == "moe_tail"]
-    assert locks and all(int(b.abs().sum()) == 0 for b in locks)
+    # each launch its own counters (zeroed), which the last arrivals leave at zero
+    assert len(locks) == 2 and locks[0] is not locks[1]
+    assert all(int(b.abs().sum()) == 0 for b in locks)
 
 
 def test_row_inv_rms_prologue_matches_reference_norm():
@@ -301,15 +314,13 @@ def test_no_tokens():
 
 
 @pytest.mark.parametrize("gemv", [False, True])
-def test_split_k_is_deterministic_and_leaves_counters_at_zero(gemv):
+def test_split_k_is_deterministic_and_leaves_counters_at_zero(gemv, monkeypatch):
     c = Case(5, 150, 70, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
     opts = {"split_k": 4, "block_n": 16, "block_k": 16, "gemv": gemv}
+    locks = _scratch_spy(monkeypatch)
     ys = [run_and_check(c, 3, opts) for _ in range(2)]
     assert torch.equal(ys[0], ys[1])
-    from k3fusion.kernels import _launch
-
-    locks = [b for k, b in _launch._counter_buffers.items() if k[0] == "moe_tail"]
-    assert locks and all(int(b.abs().sum()) == 0 for b in locks)
+    assert len(locks) == 2 and all(int(b.abs().sum()) == 0 for b in locks)
 
 
 def test_launch_config_heuristic():
@@ -654,21 +665,20 @@ def test_cuda_compiled_tail_runs_the_kernel(padding):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replay_split_k():
-    """Split-K counters reset themselves: replays (new inputs each time) stay correct, and
-    the capture stream's cached counters -- which the graph uses -- end every replay at 0."""
-    from k3fusion.kernels import _launch
-
+def test_cuda_graph_replay_split_k(monkeypatch):
+    """The graph owns the split-K counters of its launch (allocated and zeroed in the
+    capture): replays with new inputs each time stay correct, and every replay ends with
+    them at 0."""
     x, s, w, up = _k3_inputs(8, seed=4)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        launch(x, s, w, 1e-6, up, split_k=4)  # compile, and cache this stream's counters
+        launch(x, s, w, 1e-6, up, split_k=4)  # compile
         torch.cuda.synchronize()
-        key = ("moe_tail", "cuda", x.device.index, stream.cuda_stream)
-        locks = _launch._counter_buffers[key]
+        locks = _scratch_spy(monkeypatch)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             y = launch(x, s, w, 1e-6, up, split_k=4)
+    (lock,) = locks
     for seed in (5, 6, 7):
         x2, s2, _, _ = _k3_inputs(8, seed=seed)
         x.copy_(x2)
@@ -677,7 +687,7 @@ def test_cuda_graph_replay_split_k():
         torch.cuda.synchronize()
         ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=False)
         assert_within(y, ref, bound, f"replay {seed}")
-        assert _launch._counter_buffers[key] is locks and int(locks.abs().sum()) == 0
+        assert int(lock.abs().sum()) == 0
 
 
 @pytest.mark.cuda

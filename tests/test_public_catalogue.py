@@ -42,6 +42,12 @@ def _errors(out, ref) -> tuple[float, float]:
     return (e.max().item(), e.mean().item()) if e.numel() else (0.0, 0.0)
 
 
+def _size(ref) -> float:
+    """The mean magnitude of the reference outputs."""
+    t = torch.cat([r.abs().flatten() for r in _flat(ref)])
+    return t.mean().item() if t.numel() else 0.0
+
+
 def _fused_counts(entry: Entry) -> dict[str, int]:
     counts = k3fusion.match_counts()
     counts.pop("attn_res_delta_handoff")
@@ -83,9 +89,12 @@ def test_entry_fuses_its_sites_and_is_as_accurate_as_eager(entry, dtype):
     e_max, e_mean = _errors(eager, ref)
     c_max, c_mean = _errors(out, ref)
     # no less accurate than eager (the ops keep their sums in fp32), up to the noise of
-    # Inductor's own compile of the rest of the graph
+    # Inductor's own compile of the rest of the graph: bf16 1.2x eager's mean error; fp32,
+    # where eager's error is itself a rounding or two, 1.1x plus two fp32 roundings of the
+    # outputs' size (another summation order in a compiled matmul moves it that much)
+    ulp = torch.finfo(torch.float32).eps * _size(ref)
     slack = 1.2 if dtype == torch.bfloat16 else 1.1
-    assert c_mean <= slack * e_mean + 1e-7 and c_max <= 1.5 * e_max + 1e-6, (
+    assert c_mean <= slack * e_mean + 2 * ulp and c_max <= 1.5 * e_max + 8 * ulp, (
         f"compiled max/mean error {c_max:.3g}/{c_mean:.3g}, eager {e_max:.3g}/{e_mean:.3g}")
 
 

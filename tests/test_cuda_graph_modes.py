@@ -1,0 +1,91 @@
+"""Decode as servers run it (issue 29): ``mode="reduce-overhead"`` (Inductor's CUDA-graph
+trees) and ``mode="max-autotune"`` with ``backend="k3fusion"`` and with ``install()``, on
+the tiny K3 model and a K3-width stack; 200 decode steps at each token count, every output
+within the bound of eager's. CUDA only.
+
+Before issue 29 the first reduce-overhead call failed at K3 width ("Detected 1 tensor(s)
+in the cudagraph pool not tracked as outputs": a cached scratch buffer allocated in the
+tree's warm-up, in its private pool).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k3fusion
+from k3fusion.bench.decoder import build_model, stack_config
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")]
+
+BOUND = 3e-2  # max |compiled - eager| / max |eager| in bf16, as the main job's
+
+
+def _err(got, want) -> float:
+    got = got.logits if hasattr(got, "logits") else got
+    want = want.logits if hasattr(want, "logits") else want
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def _decode(model, compiled, tokens_list, steps, vocab):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    worst = 0.0
+    for tokens in tokens_list:
+        for _ in range(steps):
+            ids = torch.randint(0, vocab, (1, tokens), device="cuda", generator=g)
+            with torch.no_grad():
+                got = compiled(ids)
+                got = got.logits.clone() if hasattr(got, "logits") else got.clone()
+                want = model(ids)
+            worst = max(worst, _err(got, want))
+    return worst
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    k3fusion.reset_match_counts()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
+@pytest.mark.parametrize("width", ["tiny", "k3"])
+def test_decode_steps_in_a_cuda_graph_mode(width, mode):
+    layers = 8 if width == "k3" else 2  # K3 width: up to 8 completed blocks
+    config = stack_config(layers, width=width, attn_res_block_size=1) if width == "k3" else \
+        stack_config(layers, width="tiny")
+    model = build_model(config, seed=0, device="cuda")
+    compiled = torch.compile(model, backend="k3fusion",
+                             mode=None if mode == "default" else mode)
+    worst = _decode(model, compiled, (1, 4, 8, 64), 200 if width == "tiny" else 20,
+                    config.vocab_size)
+    counts = k3fusion.match_counts()
+    assert counts["qkv_rmsnorm"] and counts["attn_res"] and counts["moe_tail"], counts
+    assert worst <= BOUND, worst
+
+
+def test_install_with_reduce_overhead_and_max_autotune():
+    config = stack_config(2, width="tiny")
+    model = build_model(config, seed=0, device="cuda")
+    k3fusion.install()
+    try:
+        for mode in ("reduce-overhead", "max-autotune"):
+            torch._dynamo.reset()
+            k3fusion.reset_match_counts()
+            compiled = torch.compile(model, mode=mode)
+            worst = _decode(model, compiled, (1, 8), 20, config.vocab_size)
+            assert k3fusion.match_counts()["attn_res"], mode
+            assert worst <= BOUND, (mode, worst)
+    finally:
+        k3fusion.uninstall()
+
+
+def test_backend_with_max_autotune():
+    config = stack_config(2, width="tiny")
+    model = build_model(config, seed=0, device="cuda")
+    compiled = torch.compile(model, backend="k3fusion", mode="max-autotune")
+    worst = _decode(model, compiled, (1, 8), 20, config.vocab_size)
+    assert k3fusion.match_counts()["attn_res"]
+    assert worst <= BOUND, worst
