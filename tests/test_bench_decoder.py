@@ -145,6 +145,41 @@ def test_sweep_on_cpu_writes_table_json_and_plot(tmp_path):
 
 
 @pytest.mark.usefixtures("fresh_state")
+def test_sweep_with_reduce_overhead_compiles_times_and_checks_each_mode():
+    modes_seen, timed = [], []
+
+    def make_backend():  # one per name (dynamo keeps a cache entry per backend)
+        def backend(gm, example_inputs, mode=None, **_):
+            modes_seen.append(mode)
+            return gm.forward
+        return backend
+
+    def loop_timer(fn, arg_sets, calls_per_graph):
+        timed.append(fn)
+        return 100.0
+
+    config = decoder.stack_config(1, width="tiny", num_experts=1, top_k=1)
+    result = decoder.run(tokens=[2], prefill=[], seeds=1, config=config, device="cpu",
+                         backends={"inductor": make_backend(), "k3fusion": make_backend()},
+                         timer=_wall_timer, loop_timer=loop_timer, progress=False,
+                         reduce_overhead=True)
+    assert result["ok"] and sorted(modes_seen, key=str) == [None, None, "reduce-overhead",
+                                                            "reduce-overhead"]
+    assert result["variants"] == {"inductor": "default", "k3fusion": "default",
+                                  "inductor_ro": "reduce-overhead",
+                                  "k3fusion_ro": "reduce-overhead"}
+    row, = result["rows"]
+    assert len(timed) == 2 and row["inductor_ro_us"] == row["k3fusion_ro_us"] == 100.0
+    assert row["ro_speedup_vs_inductor"] == 1.0 and row["k3fusion_ro_compiled"]
+    # the reduce-overhead k3fusion variant is checked against the bound like the default one
+    assert "k3fusion_ro_within" in result["equivalence"][0]
+    md = decoder.markdown(result)
+    assert "| decode | 2 | 100.0 | 100.0 | 1.000x |" in md, md
+    assert decoder._parse([]).reduce_overhead and \
+        not decoder._parse(["--no-reduce-overhead"]).reduce_overhead
+
+
+@pytest.mark.usefixtures("fresh_state")
 def test_sweep_stops_at_a_failed_equivalence():
     def wrong_backend(gm, example_inputs):  # a "compiler" that breaks the output
         def run(*args):

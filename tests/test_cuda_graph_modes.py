@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import k3fusion
-from k3fusion.bench.decoder import build_model, stack_config
+from k3fusion.bench.decoder import ERROR_RATIO, _ulp, build_model, stack_config
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")]
@@ -26,28 +26,38 @@ def _logits(out):
 
 
 def _decode(model, compiled, tokens_list, steps, vocab) -> float:
-    """``steps`` decode calls per token count, each compiled output against eager's: the
-    worst ratio of ``max |compiled - eager|`` to the bound ``3 x`` eager's own max error
-    against an fp64 copy of the model (on the first input of that token count) -- a
-    compiled output within twice eager's error of the exact one is within three times it
-    of eager's. <= 1 passes."""
+    """``steps`` decode calls per token count, each held to the suite's model-level bf16
+    rule (the decoder benchmark's, :data:`ERROR_RATIO`): against an fp64 copy of the model,
+    the compiled output's max error within ``ERROR_RATIO x`` eager's (+ 1 ulp of the
+    output's size) and its mean error within ``ERROR_RATIO x`` eager's mean. Returns the
+    worst ratio of error to bound over all steps (<= 1 passes). A fixed bound against eager
+    does not hold: default Inductor itself differs from eager by up to 1.1 at an 8-layer
+    K3-width stack whose eager bf16 output is off the fp64 one by that much too."""
     g = torch.Generator(device="cuda").manual_seed(0)
     oracle = copy.deepcopy(model).double()
     worst = 0.0
     for tokens in tokens_list:
-        bound = None
         for _ in range(steps):
             ids = torch.randint(0, vocab, (1, tokens), device="cuda", generator=g)
             with torch.no_grad():
-                got = _logits(compiled(ids)).clone()  # (a CUDA-graph tree reuses its outputs)
-                want = _logits(model(ids))
-                if bound is None:
-                    exact = _logits(oracle(ids))
-                    scale = float(exact.abs().max())
-                    bound = 3 * float((want.double() - exact).abs().max()) + 2**-8 * scale
-            worst = max(worst, float((got.double() - want.double()).abs().max()) / bound)
+                got = _logits(compiled(ids)).double()  # a copy (a tree reuses its outputs)
+                want = _logits(model(ids)).double()
+                exact = _logits(oracle(ids))
+            e_max, e_mean = _errors(want, exact)
+            c_max, c_mean = _errors(got, exact)
+            bound_max = ERROR_RATIO * e_max + _ulp(float(exact.abs().max()), torch.bfloat16)
+            ratio = max(c_max / bound_max, c_mean / (ERROR_RATIO * e_mean))
+            if ratio > worst:
+                worst = ratio
+                print(f"T={tokens}: max err {c_max:.3g} (eager {e_max:.3g}), mean {c_mean:.3g}"
+                      f" (eager {e_mean:.3g}): {ratio:.3g} of the bound")
     del oracle
     return worst
+
+
+def _errors(out, exact):
+    d = (out - exact).abs()
+    return float(d.max()), float(d.mean())
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +77,7 @@ def test_decode_steps_in_a_cuda_graph_mode(width, mode):
     model = build_model(config, seed=0, device="cuda")
     compiled = torch.compile(model, backend="k3fusion",
                              mode=None if mode == "default" else mode)
-    worst = _decode(model, compiled, (1, 4, 8, 64), 200 if width == "tiny" else 20,
+    worst = _decode(model, compiled, (1, 4, 8, 64), 200,
                     config.vocab_size)
     counts = k3fusion.match_counts()
     assert counts["qkv_rmsnorm"] and counts["attn_res"] and counts["moe_tail"], counts

@@ -7,7 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["HBM_BYTES_PER_S", "hbm_floor_us", "cuda_graph_us", "sets_to_outgrow_l2"]
+__all__ = ["HBM_BYTES_PER_S", "hbm_floor_us", "cuda_graph_us", "call_loop_us",
+           "sets_to_outgrow_l2"]
 
 #: Device-to-device copy bandwidth measured on the H200 (bytes read + written per s).
 HBM_BYTES_PER_S = 4.3e12
@@ -49,6 +50,30 @@ def cuda_graph_us(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def call_loop_us(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *,
+                 calls: int = 20, reps: int = 30) -> float:
+    """Median microseconds of one ``fn(*args)`` called from Python, ``calls`` back to back
+    per timed run: for a function that captures and replays its own CUDA graphs
+    (``mode="reduce-overhead"``), which cannot run inside :func:`cuda_graph_us`'s capture.
+    Guards, input copies and launch overhead are included, as a server calling it sees them.
+    """
+    for args in arg_sets[:3]:  # compile, record the trees' graphs
+        fn(*args)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(*arg_sets[i % len(arg_sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     times.sort()
     return times[len(times) // 2]
 
