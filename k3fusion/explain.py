@@ -53,7 +53,8 @@ class Candidate:
     where: str = ""
 
     def __str__(self) -> str:
-        at = f" at {self.where}" if self.where else ""
+        at = "" if not self.where else (
+            f" {self.where}" if self.where.startswith("near ") else f" at {self.where}")
         return f"{self.kind}{at} not fused: {self.reason}"
 
 
@@ -82,6 +83,28 @@ def _user_frame(trace: str | None) -> str:
         return ""
     path, line, code = frames[-1]
     return f"{path.rsplit('/', 1)[-1]}:{line}  {code.strip()}"
+
+
+def _where(node: torch.fx.Node, max_steps: int = 64) -> str:
+    """``file:line  code`` of ``node``, else ``near file:line  code`` of the closest node with
+    a stack trace (inputs and users, breadth first): nodes a decomposition or a pattern
+    replacement of Inductor's made carry none."""
+    frame = _user_frame(node.meta.get("stack_trace"))
+    if frame:
+        return frame
+    seen, queue = {node}, [node]
+    for step in range(max_steps):
+        if step == len(queue):
+            break
+        for m in (*queue[step].all_input_nodes, *queue[step].users):
+            if m in seen:
+                continue
+            frame = _user_frame(m.meta.get("stack_trace"))
+            if frame:
+                return f"near {frame}"
+            seen.add(m)
+            queue.append(m)
+    return ""
 
 
 def _computes_rms(node: torch.fx.Node) -> bool:
@@ -147,9 +170,8 @@ def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False
     def recording(self, graph):
         nonlocal graphs
         graphs += 1
-        # The node names the log lines use -> their stack traces, read before the pass
-        # rewrites the graph.
-        traces = {n.name: n.meta.get("stack_trace") for n in graph.nodes}
+        # The node names the log lines use -> the nodes, before the pass rewrites the graph.
+        nodes = {n.name: n for n in graph.nodes}
         rms_like = {n.name for n in graph.nodes if _computes_rms(n)}
         start, before = len(handler.lines), len(candidates)
         original(self, graph)
@@ -160,7 +182,8 @@ def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False
                     node, reason = m.groups()
                     if kind == "rsqrt":
                         kind = REFUSED_NORM if node in rms_like else OTHER_RSQRT
-                    candidates.append(Candidate(kind, node, reason, _user_frame(traces.get(node))))
+                    where = _where(nodes[node]) if node in nodes else ""
+                    candidates.append(Candidate(kind, node, reason, where))
                     break
         left = sum(c.kind != OTHER_RSQRT for c in candidates[before:])
         progress(f"graph {graphs}: k3fusion pass done ({left} candidate(s) left alone); "

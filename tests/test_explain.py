@@ -147,6 +147,22 @@ def test_progress_is_a_line_per_compiled_graph(capsys):
     assert capsys.readouterr() == ("", "")
 
 
+def test_a_node_without_a_stack_trace_points_near_the_closest_one():
+    from k3fusion.explain import Candidate, _where
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.exp.default, (x,))
+    z = g.call_function(torch.ops.aten.neg.default, (y,))
+    g.output(z)
+    z.meta["stack_trace"] = 'File "/src/model.py", line 7, in forward\n    out = (-x.exp())\n'
+    assert _where(z) == "model.py:7  out = (-x.exp())"
+    assert _where(y) == "near model.py:7  out = (-x.exp())"  # Inductor made it: no trace
+    assert _where(x, max_steps=1) == ""  # the search stops
+    assert str(Candidate("RMSNorm", "y", "why", _where(y))) == \
+        "RMSNorm near model.py:7  out = (-x.exp()) not fused: why"
+
+
 def test_cli_explain_on_the_built_in_model(capsys):
     assert main(["explain", "--tokens", "4"]) == 0
     out = capsys.readouterr().out
