@@ -19,7 +19,8 @@ from dataclasses import dataclass, fields
 from typing import Callable, Iterator
 
 __all__ = ["FusionConfig", "SettingsError", "get_config", "set_config", "load_config",
-           "overridden", "dual_norm_rows_for_widths", "ENV_PREFIX", "TRITON_MAX_TENSOR_NUMEL"]
+           "overridden", "dual_norm_rows_for_widths", "env_name", "ENV_PREFIX",
+           "TRITON_MAX_TENSOR_NUMEL"]
 
 ENV_PREFIX = "K3FUSION_"
 
@@ -82,7 +83,8 @@ class FusionConfig:
     attn_res: bool = True
     #: Log, for every recognized RMSNorm left unfused, why (logger ``k3fusion``).
     debug: bool = False
-    #: Rows handled by one program of the dual RMSNorm kernel; 0 picks by size.
+    #: Rows handled by one program of the dual RMSNorm kernel; 0 picks by size. A power of
+    #: two whose tile (times the wider norm's width) fits in Triton's largest block.
     dual_norm_rows_per_program: int = 0
     #: Latent-MoE tail: run the tiered tail (eager runner, and the graph pass when it
     #: lands); False runs the plain replicated tail everywhere.

@@ -1,4 +1,5 @@
-"""The main job: ``python -m k3fusion``, its ``explain`` and ``bench`` subcommands and their ``--help``."""
+"""The main job: ``python -m k3fusion``, its ``explain`` and ``bench`` subcommands, and
+their ``--help``."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ class NormW(nn.Module):
 
     def forward(self, x):
         x32 = x.float()
-        return self.w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.w * normed.to(x.dtype)
 
 
 class NormEpsilon(KimiK3RMSNorm):

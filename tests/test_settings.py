@@ -48,8 +48,10 @@ def test_a_bad_value_is_one_line_naming_the_variable_value_and_what_is_allowed(v
 def test_the_limit_says_what_is_allowed():
     with pytest.raises(SettingsError, match=r"a power of two up to 1048576 \(Triton's largest"):
         load_config({"K3FUSION_DUAL_NORM_ROWS_PER_PROGRAM": str(2 * TRITON_MAX_TENSOR_NUMEL)})
-    assert load_config({"K3FUSION_DUAL_NORM_ROWS_PER_PROGRAM": "64"}).dual_norm_rows_per_program == 64
-    with pytest.raises(ValueError, match=r"dual_norm_rows_per_program must be 0 \(pick by size\) or a power of two up to"):
+    rows = load_config({"K3FUSION_DUAL_NORM_ROWS_PER_PROGRAM": "64"}).dual_norm_rows_per_program
+    assert rows == 64
+    with pytest.raises(ValueError, match=r"dual_norm_rows_per_program must be 0 \(pick by size\) "
+                                         r"or a power of two up to"):
         FusionConfig(dual_norm_rows_per_program=2 * TRITON_MAX_TENSOR_NUMEL)
 
 

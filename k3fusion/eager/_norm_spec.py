@@ -87,7 +87,8 @@ def _spec_or_reason(module: nn.Module) -> RMSNormSpec | str:
     if not isinstance(got, torch.Tensor):
         return f"a call that returns {type(got).__name__}, not a tensor"
     if got.shape != want.shape or got.dtype not in (want.dtype, probe.dtype):
-        return f"an output of shape {tuple(got.shape)} and dtype {got.dtype} for a {tuple(probe.shape)} {probe.dtype} input"
+        return (f"an output of shape {tuple(got.shape)} and dtype {got.dtype} for a "
+                f"{tuple(probe.shape)} {probe.dtype} input")
     return (f"another function of weight {tuple(weight.shape)} and eps {eps:g} on a probe "
             "input (Gemma's 1 + weight, say)")
 
