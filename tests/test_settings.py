@@ -89,7 +89,8 @@ def test_the_readme_lists_every_variable():
     readme = (ROOT / "README.md").read_text()
     listed = set(re.findall(r"^\| `(K3FUSION_\w+)` \|", readme, flags=re.M))
     assert listed == {env_name(f.name) for f in fields(FusionConfig)}
-    code = "\n".join(p.read_text() for p in (ROOT / "k3fusion").rglob("*.py"))
+    code = "\n".join(p.read_text() for package in ("k3fusion", "patterns", "kernels", "examples")
+                     for p in (ROOT / package).rglob("*.py"))
     named = set(re.findall(r"\b" + ENV_PREFIX + r"[A-Z_]*[A-Z]", code)) - {ENV_PREFIX.rstrip("_")}
     assert named <= listed, "the code names a variable the config does not have"
 
