@@ -1,5 +1,5 @@
 """``python -m k3fusion`` (or ``k3fusion``): compile the built-in tiny Kimi-K3 three ways and
-report the fusions.
+report the fusions; ``explain`` and ``bench`` are its subcommands.
 
 Runs the model eagerly, with default ``torch.compile`` and with ``backend="k3fusion"``,
 and prints per fusion the sites the model has and the matches the pass made, then the
@@ -16,6 +16,7 @@ import importlib
 import json
 import os
 import sys
+import textwrap
 import time
 import traceback
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 import k3fusion
 from k3fusion.bench.timing import cuda_graph_us
 from k3fusion.counters import FUSIONS
-from k3fusion.explain import main_explain
+from k3fusion.explain import explain
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 from k3fusion.models.kimi_k3 import ATTN_RES_BANKS, NORM_STYLES, count_latent_moe_layers
 
@@ -81,22 +82,38 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+#: subcommand -> what it does, for the main job's ``--help``.
+SUBCOMMANDS = {
+    "explain": "compile the tiny model once and say, per candidate site, what was fused and "
+               "why each other one was not, with its source line",
+    "bench": "run the per-op and decoder-stack benchmarks (CUDA)",
+}
+
+
+def _subcommand_list(prog: str) -> str:
+    lines = [f"subcommands ({prog} SUBCOMMAND --help for its flags):"]
+    for name, what in SUBCOMMANDS.items():
+        lines += textwrap.wrap(what, 78, initial_indent=f"  {name:<10}", subsequent_indent=" " * 12)
+    return "\n".join(lines)
+
+
+def _main_parser() -> _Parser:
     prog = _prog()
-    p = _Parser(prog=prog, description=_DESCRIPTION,
-                epilog=f"{prog} bench [--out DIR] [--only NAMES] runs the per-op and "
-                       "decoder-stack benchmarks (CUDA).")
+    p = _Parser(prog=prog, description=textwrap.fill(_DESCRIPTION, 78),
+                epilog=_subcommand_list(prog), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no progress lines on stderr")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
+                   help="dtype of the model and its activations (default: bf16)")
     p.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--tokens", type=_positive_int, default=16, help="sequence length of the input")
-    p.add_argument("--batch", type=_positive_int, default=2)
+    p.add_argument("--batch", type=_positive_int, default=2, help="batch size of the input")
     p.add_argument("--norm-style", choices=NORM_STYLES, default="hf",
                    help="RMSNorm formulation of the model (default: hf)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model's weights and the input ids (default: 0)")
     p.add_argument("--no-attn-res", dest="attn_res", action="store_false",
                    help="build the model with plain residuals instead of Block AttnRes")
     p.add_argument("--latent-moe", action="store_true",
@@ -106,6 +123,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="how the AttnRes model keeps its completed blocks (default: list)")
     p.add_argument("--block-size", type=_positive_int, default=None,
                    help="AttnRes block size in layers (default 1: a block at every layer)")
+    return p
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = _main_parser()
     args = p.parse_args(argv)
     if not args.attn_res:
         given = [flag for flag, v in (("--bank", args.bank), ("--block-size", args.block_size))
@@ -151,8 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with torch.no_grad():
         progress(f"eager forward of the tiny model on {device}, input {list(ids.shape)}")
         eager_out = model(ids)
-        progress("default torch.compile: compiling and running (the first run on a CPU "
-                 "takes up to a minute; later runs hit Inductor's cache)")
+        progress("default torch.compile: compiling and running (a CPU compiles for a while "
+                 "the first time; later runs are served from Inductor's cache)")
         torch._dynamo.reset()
         default = torch.compile(model)
         default_out = default(ids)
@@ -235,13 +257,17 @@ def _bench_names(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _parse_bench(argv: list[str]) -> argparse.Namespace:
+def _bench_parser() -> _Parser:
     p = _Parser(prog=f"{_prog()} bench",
                 description="run the per-op benchmarks and the decoder-stack benchmark (CUDA)")
     p.add_argument("--out", default="bench-out", help="folder for JSON, markdown and plots")
     p.add_argument("--only", type=_bench_names, default=list(BENCHES), metavar="NAMES",
                    help=f"comma-separated subset of {','.join(BENCHES)} (default: all)")
-    return p.parse_args(argv)
+    return p
+
+
+def _parse_bench(argv: list[str]) -> argparse.Namespace:
+    return _bench_parser().parse_args(argv)
 
 
 def bench(argv: list[str]) -> int:
@@ -282,12 +308,52 @@ def bench(argv: list[str]) -> int:
     return 1 if any(v.startswith("FAILED") for v in outcome.values()) else 0
 
 
+def _explain_parser() -> _Parser:
+    p = _Parser(prog=f"{_prog()} explain",
+                description="Compile the built-in tiny Kimi-K3 model with backend='k3fusion' "
+                            "and run it once under torch.no_grad() (as the main job does), then "
+                            "print per fusion the sites fused and, for each candidate left "
+                            "alone, why, with its source line (k3fusion.explain). Progress "
+                            "goes to stderr, a line per compiled graph.")
+    p.add_argument("--tokens", type=_positive_int, default=8,
+                   help="sequence length of the input (default: 8)")
+    p.add_argument("--dynamic", action="store_true",
+                   help="compile with dynamic shapes (torch.compile(dynamic=True))")
+    p.add_argument("--verbose", action="store_true",
+                   help="also list rsqrt ops that are no RMSNorm")
+    p.add_argument("--no-attn-res", dest="attn_res", action="store_false",
+                   help="build the model with plain residuals instead of Block AttnRes")
+    p.add_argument("--latent-moe", action="store_true",
+                   help="use the normalized latent MoE instead of the dense MLP")
+    return p
+
+
+#: subcommand -> its parser (the main job's is :func:`_main_parser`).
+SUBCOMMAND_PARSERS = {"explain": _explain_parser, "bench": _bench_parser}
+
+
+def _parse_explain(argv: list[str]) -> argparse.Namespace:
+    return _explain_parser().parse_args(argv)
+
+
+def explain_main(argv: list[str]) -> int:
+    """``python -m k3fusion explain``: :func:`k3fusion.explain` on the built-in tiny model."""
+    args = _parse_explain(argv)
+    config = KimiK3Config.tiny(attn_res=args.attn_res, latent_moe=args.latent_moe)
+    model = KimiK3ForCausalLM(config, seed=0).eval()
+    ids = torch.randint(0, config.vocab_size, (2, args.tokens),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        explain(model, ids, dynamic=args.dynamic, verbose=args.verbose)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return bench(argv[1:])
     if argv[:1] == ["explain"]:
-        return main_explain(argv[1:])
+        return explain_main(argv[1:])
     args = _parse(argv)
     report = run(args)
     if args.json:

@@ -1,36 +1,45 @@
-"""``k3fusion.explain(model, *example_inputs)``: compile once and say, per candidate site,
-whether it was fused and, if not, why -- with the line of the model's own code the
-candidate came from, when the traced graph's stack trace has it.
+"""``k3fusion.explain(model, *example_inputs)``: compile the call as given and say, per
+candidate site, whether it was fused and, if not, why -- with the line of the model's own
+code the candidate came from, when the traced graph's stack trace has it.
 
-The raw material is what the passes log with ``K3FUSION_DEBUG`` (``FusionConfig.debug``);
-this turns those lines, for one compile, into a report a model author can act on.
+The call is compiled under the caller's config and grad mode, so the report is what a
+real ``torch.compile(model, backend="k3fusion")`` of the same call fuses. The reasons are
+what the passes log with ``FusionConfig.debug``, switched on for this compile only.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 
-from .config import get_config, set_config
+from .config import overridden
 from .counters import match_counts, reset_match_counts
-from .models import KimiK3Config, KimiK3ForCausalLM
 from .pass_manager import K3FusionPass
+from .patterns._fx import NoMatch
+from .patterns.rms_norm import inverse_rms
 
-__all__ = ["Candidate", "Explanation", "explain", "main_explain"]
+__all__ = ["Candidate", "Explanation", "explain"]
 
 #: debug log line -> (what the candidate is, its anchor node's name, the reason)
 _LINES = [
     (re.compile(r"^AttnRes site not fused: softmax (\S+): (.*)$"), "AttnRes step (softmax)"),
     (re.compile(r"^MoE-tail site not fused: (?:\S+ )?(\S+?):? (.*)$"), "MoE tail"),
     (re.compile(r"^RMSNorm (\S+) \(x=\S+\) not fused: (.*)$"), "RMSNorm"),
-    (re.compile(r"^rsqrt (\S+) not recognized as RMSNorm: (.*)$"), "rsqrt (not an RMSNorm)"),
+    (re.compile(r"^rsqrt (\S+) not recognized as RMSNorm: (.*)$"), "rsqrt"),
 ]
+
+#: An rsqrt of ``mean(x**2) + eps`` the norm matcher refused (Gemma's ``1 + w``, a weight
+#: computed in the graph, a leaked intermediate): a norm left alone, shown by default.
+REFUSED_NORM = "RMSNorm (refused)"
+#: Any other rsqrt: no norm at all, listed with ``verbose`` only.
+OTHER_RSQRT = "rsqrt (not an RMSNorm)"
 
 
 @dataclass
@@ -44,7 +53,8 @@ class Candidate:
     where: str = ""
 
     def __str__(self) -> str:
-        at = f" at {self.where}" if self.where else ""
+        at = "" if not self.where else (
+            f" {self.where}" if self.where.startswith("near ") else f" at {self.where}")
         return f"{self.kind}{at} not fused: {self.reason}"
 
 
@@ -53,10 +63,13 @@ class Explanation:
     #: fusion -> sites fused (``k3fusion.match_counts()`` for this compile)
     matches: dict[str, int]
     not_fused: list[Candidate] = field(default_factory=list)
+    #: facts about the call that decide what fuses (grad mode, ...)
+    notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"{k}: {v} fused" for k, v in sorted(self.matches.items())]
         lines += [str(c) for c in self.not_fused] or ["nothing left unfused"]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -72,6 +85,53 @@ def _user_frame(trace: str | None) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{line}  {code.strip()}"
 
 
+def _where(node: torch.fx.Node, max_steps: int = 64) -> str:
+    """``file:line  code`` of ``node``, else ``near file:line  code`` of the closest node with
+    a stack trace (inputs and users, breadth first): nodes a decomposition or a pattern
+    replacement of Inductor's made carry none."""
+    frame = _user_frame(node.meta.get("stack_trace"))
+    if frame:
+        return frame
+    seen, queue = {node}, [node]
+    for step in range(max_steps):
+        if step == len(queue):
+            break
+        for m in (*queue[step].all_input_nodes, *queue[step].users):
+            if m in seen:
+                continue
+            frame = _user_frame(m.meta.get("stack_trace"))
+            if frame:
+                return f"near {frame}"
+            seen.add(m)
+            queue.append(m)
+    return ""
+
+
+def _computes_rms(node: torch.fx.Node) -> bool:
+    """``node`` is an rsqrt of ``mean(x**2, -1) + eps``: the start of an RMSNorm."""
+    if node.target is not torch.ops.aten.rsqrt.default:
+        return False
+    try:
+        inverse_rms(node)
+    except (NoMatch, AttributeError, TypeError, IndexError):
+        return False
+    return True
+
+
+def _records_autograd(model, example_inputs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    params = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    tensors = [*params, *(x for x in example_inputs if isinstance(x, torch.Tensor))]
+    return any(t.requires_grad for t in tensors)
+
+
+_GRAD_NOTE = ("autograd records this call (grad mode is on and a parameter or input requires "
+              "grad): Inductor compiles a forward that saves intermediates for the backward "
+              "pass, and a site whose intermediates are saved is not fused (see the reasons "
+              "above). For inference, call under torch.no_grad() or torch.inference_mode().")
+
+
 class _Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -81,68 +141,76 @@ class _Collect(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+class _Progress:
+    """A line on stderr per stage and per compiled graph (a compile takes a while on a CPU)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet, self.start = quiet, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        if not self.quiet:
+            print(f"[k3fusion explain {time.perf_counter() - self.start:5.1f} s] {what}",
+                  file=sys.stderr, flush=True)
+
+
 def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False,
             quiet: bool = False) -> Explanation:
-    """Compile ``model`` with ``backend="k3fusion"`` on ``example_inputs`` (under
-    ``torch.no_grad()``, no compile cache), then print and return what was fused and why
-    each other candidate was not. ``verbose`` also lists rsqrt ops that are no RMSNorm."""
-    saved = get_config()
+    """Compile ``model`` with ``backend="k3fusion"`` and call it on ``example_inputs``, under
+    the config and grad mode in force (no compile cache, so every graph goes through the
+    pass), then print and return what was fused and why each other candidate was not.
+    Progress goes to stderr, a line per compiled graph. ``verbose`` also lists rsqrt ops
+    that are no RMSNorm; ``quiet`` prints nothing."""
+    progress = _Progress(quiet)
     log = logging.getLogger("k3fusion")
     handler, level = _Collect(), log.level
-    traces: dict[str, str] = {}
     candidates: list[Candidate] = []
+    graphs = 0
     original = K3FusionPass.__call__
 
-    def recording(self, graph):  # the node names the log lines use -> their stack traces
-        traces.clear()
-        traces.update({n.name: n.meta.get("stack_trace") for n in graph.nodes})
-        start = len(handler.lines)
+    def recording(self, graph):
+        nonlocal graphs
+        graphs += 1
+        # The node names the log lines use -> the nodes, before the pass rewrites the graph.
+        nodes = {n.name: n for n in graph.nodes}
+        rms_like = {n.name for n in graph.nodes if _computes_rms(n)}
+        start, before = len(handler.lines), len(candidates)
         original(self, graph)
         for line in handler.lines[start:]:
             for pattern, kind in _LINES:
                 m = pattern.match(line)
                 if m:
                     node, reason = m.groups()
-                    candidates.append(Candidate(kind, node, reason, _user_frame(traces.get(node))))
+                    if kind == "rsqrt":
+                        kind = REFUSED_NORM if node in rms_like else OTHER_RSQRT
+                    where = _where(nodes[node]) if node in nodes else ""
+                    candidates.append(Candidate(kind, node, reason, where))
                     break
+        left = sum(c.kind != OTHER_RSQRT for c in candidates[before:])
+        progress(f"graph {graphs}: k3fusion pass done ({left} candidate(s) left alone); "
+                 "Inductor generates its code")
 
+    notes = [_GRAD_NOTE] if _records_autograd(model, example_inputs) else []
+    progress("compiling the call with backend='k3fusion' and running it "
+             f"({'grad mode on' if torch.is_grad_enabled() else 'no grad'}); "
+             "a line per compiled graph follows")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     K3FusionPass.__call__ = recording
-    set_config(debug=True)
     reset_match_counts()
     try:
         torch._dynamo.reset()
-        with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
+        with overridden(debug=True), inductor_config.patch(fx_graph_cache=False), \
                 functorch_config.patch(enable_autograd_cache=False):
             torch.compile(model, backend="k3fusion", dynamic=dynamic)(*example_inputs)
     finally:
         K3FusionPass.__call__ = original
         log.removeHandler(handler)
         log.setLevel(level)
-        set_config(saved)
         torch._dynamo.reset()
+    progress(f"done: {graphs} graph(s) compiled")
     if not verbose:
-        candidates = [c for c in candidates if not c.kind.startswith("rsqrt")]
-    result = Explanation(dict(match_counts()), candidates)
+        candidates = [c for c in candidates if c.kind != OTHER_RSQRT]
+    result = Explanation(dict(match_counts()), candidates, notes)
     if not quiet:
         print(result)
     return result
-
-
-def main_explain(argv=None) -> int:
-    """``python -m k3fusion explain [--dynamic] [--verbose] [--no-attn-res] [--latent-moe]``:
-    explain the built-in tiny Kimi-K3 model (what ``python -m k3fusion`` compiles)."""
-    p = argparse.ArgumentParser(prog="python -m k3fusion explain")
-    p.add_argument("--dynamic", action="store_true")
-    p.add_argument("--verbose", action="store_true", help="also list rsqrt ops that are no RMSNorm")
-    p.add_argument("--no-attn-res", dest="attn_res", action="store_false")
-    p.add_argument("--latent-moe", action="store_true")
-    p.add_argument("--tokens", type=int, default=8)
-    args = p.parse_args(argv)
-    config = KimiK3Config.tiny(attn_res=args.attn_res, latent_moe=args.latent_moe)
-    model = KimiK3ForCausalLM(config, seed=0).eval()
-    ids = torch.randint(0, config.vocab_size, (2, args.tokens),
-                        generator=torch.Generator().manual_seed(0))
-    explain(model, ids, dynamic=args.dynamic, verbose=args.verbose)
-    return 0

@@ -1,8 +1,12 @@
-"""The main job: ``python -m k3fusion`` (and its ``bench`` entry)."""
+"""The main job: ``python -m k3fusion``, its ``explain`` and ``bench`` subcommands, and
+their ``--help``."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import sys
 
 import pytest
 import torch
@@ -140,3 +144,67 @@ def test_bench_runs_each_selected_benchmark_and_reports_failures(monkeypatch, ca
     calls.clear()
     assert main(["bench", "--only", "decoder,qkv_rmsnorm"]) == 0
     assert [n for n, _ in calls] == ["decoder", "qkv_rmsnorm"]
+
+
+# ------------------------------------------------------------- subcommands, --help (issue 31)
+
+
+def _help(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_subcommand(capsys):
+    from k3fusion.cli import SUBCOMMAND_PARSERS, SUBCOMMANDS
+
+    assert set(SUBCOMMANDS) == set(SUBCOMMAND_PARSERS) == {"explain", "bench"}
+    listed = _help([], capsys).split("subcommands (", 1)[1].splitlines()[1:]
+    assert [line.split()[0] for line in listed if not line.startswith("   ")] == list(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("argv0, prog", [("/venv/bin/k3fusion", "k3fusion"),
+                                         ("/src/k3fusion/__main__.py", "python -m k3fusion")])
+@pytest.mark.parametrize("sub", ["explain", "bench"])
+def test_subcommand_help_names_it_as_invoked(sub, argv0, prog, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert _help([sub], capsys).startswith(f"usage: {prog} {sub} ")
+
+
+@pytest.mark.parametrize("sub", [None, "explain", "bench"])
+def test_help_documents_every_flag(sub, capsys):
+    from k3fusion.cli import SUBCOMMAND_PARSERS, _main_parser
+
+    parser = _main_parser() if sub is None else SUBCOMMAND_PARSERS[sub]()
+    flags = [a for a in parser._actions if a.option_strings]
+    assert len(flags) > 1
+    undocumented = [a.option_strings for a in flags if not a.help or a.help == argparse.SUPPRESS]
+    assert undocumented == []
+    shown = " ".join(_help([] if sub is None else [sub], capsys).split())
+    for a in flags:
+        assert " ".join(a.help.split()) in shown, a.option_strings
+
+
+@pytest.mark.parametrize("bad, says", [
+    (["--tokens=-3"], "argument --tokens: must be >= 1, got -3"),
+    (["--tokens", "x"], "argument --tokens: expected an integer >= 1, got 'x'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_explain_rejects_bad_arguments_in_one_line(bad, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["explain", *bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m k3fusion explain: error: "), err
+    assert says in err
+
+
+def test_stage_labels_promise_no_times(monkeypatch, capsys):
+    # The stages, not the compile: torch.compile is stubbed out (nothing fuses: exit 1).
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+    assert main(["--dtype", "fp32", "--tokens", "3", "--batch", "1"]) == 1
+    labels = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert len(labels) == 4
+    promise = re.compile(r"\b(second|minute|hour)s?\b|\b\d+(\.\d+)?\s*(s|min)\b", re.I)
+    assert [label for label in labels if promise.search(label)] == []

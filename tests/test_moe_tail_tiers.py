@@ -619,12 +619,14 @@ def test_config_fields_defaults_and_env(monkeypatch):
 @pytest.mark.parametrize(
     "env,match",
     [
-        ({"K3FUSION_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD": "-1"}, "shared_experts_stream_token_threshold"),
+        ({"K3FUSION_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD": "-1"},
+         "K3FUSION_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD='-1': expected an integer >= 0"),
         ({"K3FUSION_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD": "lots"}, "K3FUSION_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD"),
         ({"K3FUSION_DISABLE_SHARED_EXPERTS_STREAM": "maybe"}, "K3FUSION_DISABLE_SHARED_EXPERTS_STREAM"),
         ({"K3FUSION_FUSED_TAIL_MAX_TOKENS": "1e3"}, "K3FUSION_FUSED_TAIL_MAX_TOKENS"),
-        ({"K3FUSION_MOE_TAIL_TIER": "fast"}, "moe_tail_tier"),
-        ({"K3FUSION_MOE_TAIL": "0", "K3FUSION_MOE_TAIL_TIER": "replicated"}, "moe_tail=False"),
+        ({"K3FUSION_MOE_TAIL_TIER": "fast"}, "K3FUSION_MOE_TAIL_TIER='fast': expected one of auto"),
+        ({"K3FUSION_MOE_TAIL": "0", "K3FUSION_MOE_TAIL_TIER": "replicated"},
+         "K3FUSION_MOE_TAIL='0' turns the tiered tail off"),
     ],
 )
 def test_bad_env_values_are_errors(env, match):

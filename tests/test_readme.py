@@ -60,8 +60,12 @@ def test_packaging_claims():
 
 
 def test_suite_time_and_the_quick_subset_are_stated():
-    assert re.search(r"the suite: about \d+ minutes on a 2-core CPU", FIRST_SCREEN)
-    assert '`python -m pytest -q -m "not slow"` is the quick subset' in FIRST_SCREEN
+    # Both times for the machine they were measured on; the quick subset first (issue 31).
+    text = " ".join(FIRST_SCREEN.split())
+    suite = re.search(r"the suite: about \d+ minutes on an idle 2-core CPU", text)
+    quick = re.search(r'`python -m pytest -q -m "not slow"` is the quick subset: about \d+ '
+                      r"minutes on an idle 2-core CPU", text)
+    assert suite and quick and quick.start() < suite.start()
     markers = _pyproject()["tool"]["pytest"]["ini_options"]["markers"]
     assert any(m.startswith("slow:") for m in markers)
 

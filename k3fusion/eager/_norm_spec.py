@@ -24,34 +24,45 @@ class RMSNormSpec:
     weight_in_fp32: bool
 
 
-def _declared_spec(module: nn.Module) -> tuple[nn.Parameter, float] | None:
+#: What :func:`rms_norm_spec` requires of a norm module, as its reasons say it.
+EXPECTED = ("a 1-D `weight` tensor, a number `eps` or `variance_epsilon`, and x * rsqrt(mean(x**2, "
+            "-1) + eps) * weight (the weight applied in the input dtype or in fp32)")
+
+
+def _found_attributes(module: nn.Module) -> str:
+    names = [*module._parameters, *(k for k, v in module.__dict__.items()
+                                    if not k.startswith("_") and type(v) in (int, float))]
+    return ", ".join(names) or "none"
+
+
+def _declared_spec(module: nn.Module) -> tuple[nn.Parameter, float] | str:
+    """The module's weight and eps, or what was found instead of them."""
     weight = getattr(module, "weight", None)
+    if weight is None:
+        return f"no `weight` (parameters and number attributes: {_found_attributes(module)})"
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
-        return None
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        return f"`weight` of {'shape ' if isinstance(weight, torch.Tensor) else 'type '}{shape}"
     if isinstance(module, nn.RMSNorm):
         eps = module.eps if module.eps is not None else torch.finfo(weight.dtype).eps
     else:
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if eps is None:
+        return (f"no `eps` or `variance_epsilon` (parameters and number attributes: "
+                f"{_found_attributes(module)})")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        return None
+        return f"eps {eps!r} of type {type(eps).__name__}, not a number"
     return weight, float(eps)
 
 
 @torch.no_grad()
-def rms_norm_spec(module: nn.Module) -> RMSNormSpec | None:
-    """The module's RMSNorm formulation, or None if it is not of the standard kind.
-
-    Its weight and eps come from the usual attributes (``weight``; ``variance_epsilon``
-    or ``eps``); the formulation is then *verified*: the module must reproduce one of
-    the two reference formulations bit for bit on a probe input. Gemma's ``1 + w``,
-    or anything else, fails that check and is left alone.
-    """
+def _spec_or_reason(module: nn.Module) -> RMSNormSpec | str:
     declared = _declared_spec(module)
-    if declared is None:
-        return None
+    if isinstance(declared, str):
+        return declared
     weight, eps = declared
     if weight.device.type == "meta":
-        return None
+        return "its weight on the meta device (load the weights first)"
     gen = torch.Generator(device="cpu").manual_seed(0)
     n = weight.shape[0]
     probe = torch.randn(8, n, generator=gen).mul_(3).to(weight.device, weight.dtype)
@@ -63,16 +74,44 @@ def rms_norm_spec(module: nn.Module) -> RMSNormSpec | None:
     weight.data = probe_w
     try:
         got = module(probe)
-    except Exception:  # not callable like a norm: not ours to patch
-        return None
+    except Exception as e:  # not callable like a norm: not ours to patch
+        return f"a call on a [8, {n}] input raised {type(e).__name__}: {e}"
     finally:
         weight.data = original
     weight = probe_w
     for weight_in_fp32 in (False, True):
         want = reference.rms_norm(probe, weight, eps, weight_in_fp32)
-        if got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want):
+        if (isinstance(got, torch.Tensor) and got.dtype == want.dtype
+                and got.shape == want.shape and torch.equal(got, want)):
             return RMSNormSpec(module.weight, eps, weight_in_fp32)
-    return None
+    if not isinstance(got, torch.Tensor):
+        return f"a call that returns {type(got).__name__}, not a tensor"
+    if got.shape != want.shape or got.dtype not in (want.dtype, probe.dtype):
+        return (f"an output of shape {tuple(got.shape)} and dtype {got.dtype} for a "
+                f"{tuple(probe.shape)} {probe.dtype} input")
+    return (f"another function of weight {tuple(weight.shape)} and eps {eps:g} on a probe "
+            "input (Gemma's 1 + weight, say)")
+
+
+def rms_norm_spec(module: nn.Module) -> RMSNormSpec | None:
+    """The module's RMSNorm formulation, or None if it is not of the standard kind.
+
+    Its weight and eps come from the usual attributes (``weight``; ``variance_epsilon``
+    or ``eps``); the formulation is then *verified*: the module must reproduce one of
+    the two reference formulations bit for bit on a probe input. Gemma's ``1 + w``,
+    or anything else, fails that check and is left alone (:func:`why_not_standard`).
+    """
+    spec = _spec_or_reason(module)
+    return None if isinstance(spec, str) else spec
+
+
+def why_not_standard(module: nn.Module) -> str | None:
+    """None for a standard RMSNorm (:func:`rms_norm_spec`), else one line: what a norm
+    needs and what this one has instead."""
+    spec = _spec_or_reason(module)
+    if not isinstance(spec, str):
+        return None
+    return f"{type(module).__name__} is not a standard RMSNorm: expected {EXPECTED}; found {spec}"
 
 
 _NO_EPS = object()

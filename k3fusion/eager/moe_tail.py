@@ -14,7 +14,7 @@ from torch import nn
 from ..config import get_config
 from ..moe_tail import _as_tier, run_latent_moe_tail
 from ._guards import _records_grad
-from ._norm_spec import CheckedSpec, rms_norm_spec
+from ._norm_spec import CheckedSpec, rms_norm_spec, why_not_standard
 
 
 class MoETailRunner(nn.Module):
@@ -38,7 +38,7 @@ class MoETailRunner(nn.Module):
         super().__init__()
         spec = rms_norm_spec(norm)
         if spec is None:
-            raise TypeError(f"norm ({type(norm).__name__}) is not a standard RMSNorm")
+            raise TypeError(f"norm: {why_not_standard(norm)}")
         if not isinstance(up_proj, nn.Linear) or up_proj.bias is not None:
             raise TypeError("up_proj must be an nn.Linear without bias")
         if up_proj.in_features != spec.weight.shape[0]:
@@ -126,6 +126,9 @@ def _swap_tail(module: nn.Module) -> str | None:
     """Swap ``module.tail`` for a :class:`MoETailRunner` step; None, or why skipped."""
     if getattr(module, "_k3fusion_moe_tail", None) is not None:
         return "already patched"
+    why = why_not_standard(module.latent_norm)
+    if why is not None:
+        return f"latent_norm: {why}"
     try:
         runner = MoETailRunner(module.latent_norm, module.up_proj, module.tp_group)
     except (TypeError, ValueError) as e:

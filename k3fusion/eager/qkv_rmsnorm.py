@@ -18,7 +18,7 @@ from torch import nn
 from .. import reference
 from ..ops import check_rms_norm_args
 from ._guards import _records_grad, _Seen
-from ._norm_spec import CheckedSpec, rms_norm_spec
+from ._norm_spec import CheckedSpec, rms_norm_spec, why_not_standard
 
 log = logging.getLogger("k3fusion")
 
@@ -60,9 +60,9 @@ class FusedQKVRMSNorm(nn.Module):
         super().__init__()
         self._q_spec, self._kv_spec = CheckedSpec(rms_norm_spec), CheckedSpec(rms_norm_spec)
         if self._q_spec.get(q_norm) is None:
-            raise TypeError(f"q_norm ({type(q_norm).__name__}) is not a standard RMSNorm")
+            raise TypeError(f"q_norm: {why_not_standard(q_norm)}")
         if self._kv_spec.get(kv_norm) is None:
-            raise TypeError(f"kv_norm ({type(kv_norm).__name__}) is not a standard RMSNorm")
+            raise TypeError(f"kv_norm: {why_not_standard(kv_norm)}")
         self.q_norm, self.kv_norm = q_norm, kv_norm
 
     def specs(self):
@@ -222,21 +222,25 @@ def has_qkv_norms(module: nn.Module) -> bool:
     return all(hasattr(module, c) for c in _PAIR_CHILDREN[1::2])
 
 
-def _install_prefetch(module: nn.Module) -> str | None:
-    """Install the q/kv prefetch on ``module``; None, or why it was skipped."""
-    if hasattr(module.q_a_layernorm, "_k3fusion_prefetch"):
-        return "already patched"
-    missing = [c for c in _PAIR_CHILDREN if not isinstance(getattr(module, c, None), nn.Module)]
-    if missing:
-        return f"no {', '.join(missing)} child"
-    try:
-        prefetch = _QKVPrefetch(module)
-    except TypeError as e:
-        return str(e)
-    prefetch.install()
-    return None
+def _path(name: str, child: str) -> str:
+    return f"{name}.{child}" if name else child
 
 
 def patch_qkv_rmsnorm(name: str, module: nn.Module) -> list[tuple[str, str | None]]:
-    """``[(report key, None if patched else why skipped)]``: the module's own name."""
-    return [(name, _install_prefetch(module))]
+    """Install the q/kv prefetch on ``module``: ``[(report key, None if patched else why
+    skipped)]``. Patched: the module's own path. Skipped: the path of the child the reason
+    is about (a refused norm, a missing projection), so no key is empty."""
+    if hasattr(module.q_a_layernorm, "_k3fusion_prefetch"):
+        return [(name or _path(name, "q_a_layernorm"), "already patched")]
+    for child in _PAIR_CHILDREN:
+        found = getattr(module, child, None)
+        if not isinstance(found, nn.Module):
+            what = "nothing" if found is None else f"a {type(found).__name__}"
+            return [(_path(name, child), f"expected a `{child}` child module next to "
+                     f"{', '.join(c for c in _PAIR_CHILDREN if c != child)}; found {what}")]
+    for child in _PAIR_CHILDREN[1::2]:
+        why = why_not_standard(getattr(module, child))
+        if why is not None:
+            return [(_path(name, child), why)]
+    _QKVPrefetch(module).install()
+    return [(name, None)]

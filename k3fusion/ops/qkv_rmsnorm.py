@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .. import kernels, reference
-from ..config import get_config
+from ..config import dual_norm_rows_for_widths, get_config
 from ._args import (_check_eps_tensor, _eps_value, _new_norm_output, _rows, _use_kernel,
                     check_rms_norm_args)
 
@@ -69,7 +69,7 @@ def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False
     kernels.dual_rms_norm(
         _rows(x1), w1, eps1, _rows(x2), w2, eps2, _rows(y1), _rows(y2),
         weight_in_fp32_1, weight_in_fp32_2,
-        rows_per_program=get_config().dual_norm_rows_per_program,
+        rows_per_program=dual_norm_rows_for_widths(get_config(), x1.shape[-1], x2.shape[-1]),
     )
     return y1, y2
 
