@@ -26,7 +26,7 @@ from .config import FusionConfig, get_config
 from .counters import record_matches
 from .patterns.attn_res import FUSION_NAME as ATTN_RES, HANDOFF_NAME, fuse_attn_res
 from .patterns.moe_tail import FUSION_NAME as MOE_TAIL, fuse_moe_tail
-from .patterns._fx import CHANGE_HOOK, restore, snapshot
+from .patterns._fx import CHANGE_HOOK, restore, saved_for_backward, saving, snapshot
 from .patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm, pair_qkv_norms
 from .patterns.rms_norm import find_rms_norms
 
@@ -83,7 +83,10 @@ class K3FusionPass(CustomGraphPass):
         saved: list[Graph] = []
         setattr(graph, CHANGE_HOOK, lambda: saved or saved.append(snapshot(graph)))
         try:
-            self._run(graph)
+            # The forward of a training pair: values returned for the backward stay
+            # computed, and are no reason to leave a site unfused (patterns/_fx.py).
+            with saving(saved_for_backward(graph)):
+                self._run(graph)
         except Exception:
             if RAISE_INTERNAL_ERRORS:
                 raise

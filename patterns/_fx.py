@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import operator
 from typing import Iterable, Iterator
 
@@ -19,6 +20,7 @@ __all__ = [
     "row_padded", "through_row_padding", "slice_args", "keepdim_of",
     "LAYOUT_OPS", "view_layout", "same_size", "inductor_lowers", "insert_call", "all_or_nothing",
     "snapshot", "restore", "CHANGE_HOOK", "before_change",
+    "SavedValues", "saved_for_backward", "saving", "users",
 ]
 
 # Reshapes (what a Linear's [B, S, K] -> [T, K] flattening lowers to).
@@ -153,10 +155,75 @@ def matmul_operands(node: object) -> tuple[Node, Node] | None:
     return None
 
 
+# --------------------------------------------------------------------------- saved values
+# A graph traced while autograd records is the forward of a training pair: it returns,
+# after the module's outputs, the values its backward reads (often through ops that only
+# prepare them, a transpose for a matmul's backward, say). Such reads are no reason to
+# leave a site unfused: what they read stays computed (erase_unused keeps a node
+# something reads) while the fused op serves the forward's own readers.
+
+_SAVED: contextvars.ContextVar[tuple[frozenset, frozenset]] = contextvars.ContextVar(
+    "k3fusion_saved", default=(frozenset(), frozenset()))
+
+
+class SavedValues(tuple):
+    """``(saved, backward_only)``: the nodes a forward returns for its backward, and the
+    nodes whose every value goes only there (into the backward's inputs)."""
+
+    @property
+    def saved(self) -> frozenset:
+        return self[0]
+
+    @property
+    def backward_only(self) -> frozenset:
+        return self[1]
+
+
+def saved_for_backward(graph: Graph) -> SavedValues:
+    """What ``graph`` returns only for a backward: the outputs after the module's own
+    (Inductor's ``user_visible_output_idxs``, recorded on the output node before post-grad
+    passes run; the positions before them are the module's outputs and the inputs it
+    writes back), and the nodes computed only for those. Empty for an inference graph,
+    or where the mark is missing."""
+    out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    visible = out.meta.get("user_visible_output_idxs") if out is not None else None
+    if not visible or not isinstance(out.args[0], (tuple, list)):
+        return SavedValues((frozenset(), frozenset()))
+    values, end = list(out.args[0]), max(visible) + 1
+    kept = {v for v in values[:end] if isinstance(v, Node)}
+    saved = frozenset(v for v in values[end:] if isinstance(v, Node) and v not in kept)
+    only: set[Node] = set()
+    for n in reversed(graph.nodes):
+        if n.op == "call_function" and n.users and all(
+                u in only or (u is out and n in saved) for u in n.users):
+            only.add(n)
+    return SavedValues((saved, frozenset(only)))
+
+
+@contextlib.contextmanager
+def saving(values: SavedValues) -> Iterator[None]:
+    """Within: :func:`users` does not count reads that serve only the backward."""
+    token = _SAVED.set(tuple(values))
+    try:
+        yield
+    finally:
+        _SAVED.reset(token)
+
+
+def users(node: Node) -> list[Node]:
+    """``node``'s users, without those that serve only the backward (:func:`saving`)."""
+    saved, only = _SAVED.get()
+    if not saved and not only:
+        return list(node.users)
+    return [u for u in node.users
+            if u not in only and not (u.op == "output" and node in saved)]
+
+
 def only_user(node: Node) -> Node:
-    if len(node.users) != 1:
-        raise NoMatch(f"{node.name} has {len(node.users)} users, expected 1")
-    return next(iter(node.users))
+    found = users(node)
+    if len(found) != 1:
+        raise NoMatch(f"{node.name} has {len(found)} users, expected 1")
+    return found[0]
 
 
 def is_graph_input(node: object) -> bool:
@@ -190,7 +257,7 @@ _SIZE_READS = (aten.sym_size.int,)
 def external_users(nodes: Iterable[Node], output: Node) -> list[tuple[Node, Node]]:
     """(intermediate, user) pairs where a user outside ``nodes`` reads the value."""
     inside = set(nodes)
-    return [(n, u) for n in inside if n is not output for u in n.users
+    return [(n, u) for n in inside if n is not output for u in users(n)
             if u not in inside and not is_op(u, *_SIZE_READS)]
 
 

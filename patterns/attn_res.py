@@ -31,7 +31,8 @@ import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the ops this 
 from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on, LAYOUT_OPS,
                   view_layout, dtype_of, erase_unused, external_users, fake_call, hoist_before,
                   insert_call, is_graph_input, is_op, keepdim_of, slice_args, matmul_operands,
-                  only_user, operands, plan_size_reads, prims, same_size, strip_casts, val)
+                  only_user, operands, plan_size_reads, prims, same_size, strip_casts, users,
+                  val)
 from .rms_norm import (RMSNormMatch, derived_from_input, eps_op_args, inverse_rms,
                        parameter_weight, same_input, upcast_input)
 
@@ -617,7 +618,8 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
 
 
 def only_user_or_none(node: Node):
-    return next(iter(node.users)) if len(node.users) == 1 else None
+    found = users(node)
+    return found[0] if len(found) == 1 else None
 
 
 def _older_bank_version(bank: Node, n: int, sd: int) -> Node:
@@ -810,7 +812,7 @@ def _plan(graph: Graph, site: AttnResSite, by_input: dict[Node, RMSNormMatch],
           claimed: set[Node]) -> _Rewrite:
     """Decide the folds and check the op accepts the site; raises NoMatch saying why not."""
     out_norm = by_input.get(site.mixed)
-    if out_norm is not None and (any(u not in out_norm.nodes for u in site.mixed.users)
+    if out_norm is not None and (any(u not in out_norm.nodes for u in users(site.mixed))
                                  or out_norm.out in claimed
                                  or out_norm.x_round != (dtype_of(site.prefix)
                                                          if site.round_dropped else None)):

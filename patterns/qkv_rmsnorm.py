@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the op this pass inserts)
 from ._fx import (VIEW_OPS, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on,
                   erase_unused, fake_call, hoist_before, insert_call, is_op, matmul_operands,
-                  plan_size_reads, row_padded, slice_args, val)
+                  plan_size_reads, row_padded, slice_args, users, val)
 from .rms_norm import RMSNormMatch, eps_op_args
 
 __all__ = ["FUSION_NAME", "REGION_INPUTS", "STRONG", "pairing_source", "pair_qkv_norms",
@@ -207,7 +207,7 @@ def pair_qkv_norms(graph: Graph, norms: list[RMSNormMatch]) -> QKVPairing:
 def _through_copy(norm: RMSNormMatch) -> Node:
     """The norm's input, or the strided tensor its ``.contiguous()`` copy reads."""
     x = norm.x
-    if _is_copy(x) and len(x.users) == 1 and x.args[0] is not None:
+    if _is_copy(x) and len(users(x)) == 1 and x.args[0] is not None:
         return x.args[0]
     return x
 
