@@ -127,9 +127,9 @@ def _records_autograd(model, example_inputs) -> bool:
 
 
 _GRAD_NOTE = ("autograd records this call (grad mode is on and a parameter or input requires "
-              "grad): Inductor compiles a forward that saves intermediates for the backward "
-              "pass, and a site whose intermediates are saved is not fused (see the reasons "
-              "above). For inference, call under torch.no_grad() or torch.inference_mode().")
+              "grad): the forward is fused as under no_grad, and also computes the values "
+              "the backward reads (its backward is default Inductor's). For inference, "
+              "torch.no_grad() or torch.inference_mode() skips that work.")
 
 
 class _Collect(logging.Handler):

@@ -18,6 +18,7 @@ import torch
 from .. import reference
 from ..moe_tail_args import check_latent_moe_tail_args
 from ..ops._args import _check_eps_tensor, _eps_value
+from ..ops._backward import differentiate_by_reference
 from . import tiers
 
 __all__ = ["latent_moe_tail", "resolve_group"]
@@ -102,6 +103,21 @@ def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False
         y = y.clone()
     return y
 
+
+
+
+def _tail_formula(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
+                  eps_tensor=None, norm_dtype=None):
+    if group_name is not None:
+        raise NotImplementedError(
+            "k3fusion::latent_moe_tail has no backward over a process group (group_name="
+            f"{group_name!r}); differentiate the unfused tail for tensor-parallel training")
+    return reference.latent_moe_tail(routed_latent, shared, norm_w,
+                                     _eps_value(eps, eps_tensor, "eps_tensor"), up_w, None,
+                                     weight_in_fp32, norm_dtype)
+
+
+differentiate_by_reference(latent_moe_tail, _tail_formula)
 
 _latent_moe_tail_op = latent_moe_tail
 

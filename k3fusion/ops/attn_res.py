@@ -10,6 +10,7 @@ import torch
 from .. import kernels, reference
 from ._args import (_check_eps, _check_eps_tensor, _eps_value, _new_norm_output, _rows,
                     _use_kernel, check_rms_norm_args)
+from ._backward import differentiate_by_reference
 
 # ====================================================================== AttnRes
 #
@@ -380,6 +381,23 @@ def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=No
 # ours runs: a bool becomes 1.0 or 1, a 0-dim tensor a float, and the autograd wrapper
 # runs the implementation with grad mode off. These entry points see the arguments as
 # the caller wrote them and the caller's grad mode.
+
+
+
+def _attn_res_formula(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None,
+                      out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None,
+                      out_eps_tensor=None):
+    """The functional op in differentiable torch ops (the reference on row views)."""
+    rows = _rows(prefix).clone()  # the reference adds delta into it
+    out = reference.attn_res(rows, _block_rows(blocks, rows.shape[0], written=False),
+                             num_blocks, norm_w, proj_w, _eps_value(eps, eps_tensor, "eps_tensor"),
+                             None if delta is None else _rows(delta), -1, out_norm_w,
+                             _eps_value(out_eps, out_eps_tensor, "out_eps_tensor"),
+                             out_weight_in_fp32).reshape(prefix.shape)
+    return [out] if delta is None else [out, rows.view(prefix.shape)]
+
+
+differentiate_by_reference(attn_res, _attn_res_formula)
 
 _attn_res_inplace_op, _attn_res_functional_op = attn_res_, attn_res
 

@@ -10,6 +10,7 @@ from .. import kernels, reference
 from ..config import dual_norm_rows_for_widths, get_config
 from ._args import (_check_eps_tensor, _eps_value, _new_norm_output, _rows, _use_kernel,
                     check_rms_norm_args)
+from ._backward import differentiate_by_reference
 
 __all__ = ["dual_rms_norm"]
 
@@ -73,6 +74,17 @@ def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False
     )
     return y1, y2
 
+
+
+
+def _dual_formula(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
+                  eps1_tensor=None, eps2_tensor=None):
+    return reference.dual_rms_norm(x1, w1, _eps_value(eps1, eps1_tensor, "eps1_tensor"), x2, w2,
+                                   _eps_value(eps2, eps2_tensor, "eps2_tensor"),
+                                   weight_in_fp32_1, weight_in_fp32_2)
+
+
+differentiate_by_reference(dual_rms_norm, _dual_formula)
 
 _dual_rms_norm_op = dual_rms_norm
 

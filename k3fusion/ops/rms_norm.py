@@ -10,6 +10,7 @@ import torch
 from .. import kernels, reference
 from ..reference import FLOAT_DTYPES
 from ._args import _new_norm_output, _rows, _use_kernel, check_rms_norm_args
+from ._backward import differentiate_by_reference
 
 __all__ = ["rms_norm", "rms_norm_and_copy"]
 
@@ -100,6 +101,8 @@ def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
                      norm_dtype=norm_dtype, copy=(_rows(other), out.view(-1, other.shape[-1])))
     return y, out
 
+
+differentiate_by_reference(rms_norm, reference.rms_norm)
 
 _rms_norm_op = rms_norm
 
