@@ -300,7 +300,6 @@ def main(argv=None) -> int:
     compiled = dict(COMPILED_VARIANTS)
     compiled.update({b: b for b in args.compiled})
     result = run(args.tokens, args.sweep, compiled, peers)
-    result["peers_dir"] = args.peers and str(args.peers)
     name = "attn_res" if LAYOUT == "sources-last" else "attn_res_sources_first"
     write_results(args.out, name, result, markdown(result), plot)
     return 0

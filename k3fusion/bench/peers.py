@@ -169,8 +169,7 @@ def summarize(row: dict, k3fusion_key: str) -> None:
 
 def sources(peers: Sequence[Peer]) -> list[dict]:
     """What the result JSON records of each peer."""
-    return [{"name": p.name, "op": p.op, **p.source, "adapter": Path(p.file).name}
-            for p in peers]
+    return [{"name": p.name, "op": p.op, **p.source, "adapter": p.file} for p in peers]
 
 
 def table_columns(result: dict) -> list[str]:
@@ -211,10 +210,10 @@ def sources_lines(result: dict, k3fusion_column: str) -> list[str]:
     peers = result.get("peers") or []
     if not peers:
         return []
-    lines = ["", f"Peers (adapters in --peers {result.get('peers_dir', 'DIR')}, each checked "
-             "against the reference k3fusion is checked against before it is timed):"]
+    lines = ["", "Peers (each checked against the reference k3fusion is checked against "
+             "before it is timed; n/a: the peer declines the point):"]
     lines += [f"- {p['name']}: {p['repo']} `{p['path']}` @ {p['commit']} (adapter "
-              f"{p['adapter']})" for p in peers]
+              f"`{Path(p['adapter']).name}`)" for p in peers]
     lines.append(f"best peer vs k3fusion: {k3fusion_column}'s time over the fastest peer's "
                  f"(above {NOISE:.2f}, bold: a public kernel more than 2% faster).")
     return lines

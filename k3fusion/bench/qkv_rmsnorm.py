@@ -163,7 +163,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     result = run(args.tokens, args.sweep, peers)
-    result["peers_dir"] = args.peers and str(args.peers)
     write_results(args.out, "qkv_rmsnorm", result, markdown(result), plot)
     return 0
 
