@@ -244,6 +244,8 @@ def _print_table(report: dict[str, Any]) -> None:
 #: ``python -m k3fusion bench`` runs these, in this order: {name: module under k3fusion.bench}.
 BENCHES = {"qkv_rmsnorm": "qkv_rmsnorm", "attn_res": "attn_res", "moe_tail": "moe_tail",
            "decoder": "decoder"}
+#: The benchmarks that time peer kernels (``--peers DIR``): one per op of ``bench.peers.OPS``.
+PEER_BENCHES = ("qkv_rmsnorm", "attn_res", "moe_tail")
 
 
 def _bench_names(text: str) -> list[str]:
@@ -261,19 +263,48 @@ def _bench_parser() -> _Parser:
     p = _Parser(prog=f"{_prog()} bench",
                 description="run the per-op benchmarks and the decoder-stack benchmark (CUDA)")
     p.add_argument("--out", default="bench-out", help="folder for JSON, markdown and plots")
-    p.add_argument("--only", type=_bench_names, default=list(BENCHES), metavar="NAMES",
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"benchmarks to run, as --only takes them ({', '.join(BENCHES)})")
+    p.add_argument("--only", type=_bench_names, default=None, metavar="NAMES",
                    help=f"comma-separated subset of {','.join(BENCHES)} (default: all)")
+    p.add_argument("--peers", default=None, metavar="DIR",
+                   help="also check and time the peer kernels whose adapters are in DIR, a "
+                        f"directory outside the repo ({', '.join(PEER_BENCHES)}; "
+                        "docs/bench-methods.md, 'Peer kernels')")
     return p
 
 
 def _parse_bench(argv: list[str]) -> argparse.Namespace:
-    return _bench_parser().parse_args(argv)
+    """The bench flags; bad names and a bad --peers directory or adapter are usage errors,
+    found before any benchmark runs."""
+    p = _bench_parser()
+    args = p.parse_args(argv)
+    if args.names and args.only is not None:
+        p.error("give the benchmarks either as names or with --only, not both")
+    try:
+        args.only = (_bench_names(",".join(args.names)) if args.names
+                     else args.only or list(BENCHES))
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    if args.peers is not None:
+        from k3fusion.bench import peers  # the bench package: only with --peers
+
+        if not set(args.only) & set(PEER_BENCHES):
+            p.error(f"--peers: none of {', '.join(args.only)} times peers (only "
+                    f"{', '.join(PEER_BENCHES)} do)")
+        try:
+            peers.load_peers(args.peers)  # every adapter, so a typo fails now, not mid-run
+        except peers.AdapterError as e:
+            p.error(str(e))
+    return args
 
 
 def bench(argv: list[str]) -> int:
-    """``python -m k3fusion bench [--out DIR] [--only NAMES]``: the benchmarks (needs CUDA).
+    """``python -m k3fusion bench [NAME ...] [--out DIR] [--only NAMES] [--peers DIR]``: the
+    benchmarks (needs CUDA).
 
-    Runs each selected benchmark's ``main(["--out", DIR])``; one that fails (non-zero or
+    Runs each selected benchmark's ``main(["--out", DIR])`` (``--peers DIR`` added for those
+    that time peers); one that fails (non-zero or
     an exception) is reported and the rest still run; the exit status is non-zero if any
     failed. A benchmark module that is not there (yet) is skipped with a note.
     """
@@ -295,7 +326,9 @@ def bench(argv: list[str]) -> int:
             continue
         print(f"== bench {name} ==", flush=True)
         try:
-            status = module.main(["--out", args.out])
+            peers = (["--peers", args.peers]
+                     if args.peers is not None and name in PEER_BENCHES else [])
+            status = module.main(["--out", args.out, *peers])
         except SystemExit as e:
             status = e.code if e.code is None or isinstance(e.code, int) else 1
             if status == 1 and not isinstance(e.code, int):

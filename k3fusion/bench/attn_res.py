@@ -1,10 +1,12 @@
 """Benchmark the AttnRes prefix-update chain (needs CUDA).
 
-``python -m k3fusion.bench.attn_res [--out DIR] [--tokens T ...] [--sweep] [--compiled NAME]``
+``python -m k3fusion.bench.attn_res [--out DIR] [--tokens T ...] [--sweep] [--compiled NAME]
+[--peers DIR]``
 
 Kimi-K3's step at a layer that closes a block (bf16, ``H = 7168``, 9 sources), under
 CUDA-graph replay against the HBM floor: eager (:func:`attn_res_chain`), default Inductor
-and the fused op ``torch.ops.k3fusion.attn_res_``. ``--sweep`` also times the kernel at
+and the fused op ``torch.ops.k3fusion.attn_res_``, and each peer kernel of ``--peers``
+(:mod:`k3fusion.bench.peers`). ``--sweep`` also times the kernel at
 every launch shape (to set ``kernels.attn_res.pick_launch_shape``). Writes
 ``attn_res.json``, ``attn_res.md`` and ``attn_res.png`` to ``--out``.
 
@@ -24,6 +26,7 @@ from k3fusion import reference
 from k3fusion.kernels.attn_res import PREFILL_TOKENS, pick_launch_shape
 from k3fusion.kernels.attn_res import attn_res as launch
 
+from . import peers as peer_kernels
 from .common import (base_parser, compile_uncached, environment, hf_rms_norm, plot_series,
                      write_results)
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
@@ -34,6 +37,8 @@ NUM_BLOCKS = 8           # completed blocks: the sources are these 8 and the pre
 BANK_SLOTS = NUM_BLOCKS + 1
 WRITE_IDX = NUM_BLOCKS   # this layer closes a block: the new prefix is appended here
 EPS = 1e-6
+#: The column peers are compared with: the fused op, called directly as a peer's kernel is.
+PEER_BASELINE = "fused_op_us"
 
 #: Compiled variants timed besides eager and the fused op: {column name: backend}.
 #: HOOK (for when ``patterns/attn_res.py`` rewrites this chain): add
@@ -140,29 +145,72 @@ def check_fused(args) -> None:
     assert_near_chain(out_f, out_e, "fused op vs eager chain")
 
 
-def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
+def peer_inputs(prefix, delta, bank, norm_w, proj_w, out_w) -> dict:
+    """One input set as a peer's ``make`` gets it (``peers.CONTRACTS["attn_res"]``)."""
+    return {"prefix": prefix, "delta": delta, "bank": bank, "norm_weight": norm_w,
+            "proj_weight": proj_w[0], "out_norm_weight": out_w}
+
+
+def peer_point(t: int, hidden: int = HIDDEN) -> dict:
+    return {"op": "attn_res", "T": t, "hidden": hidden, "num_blocks": NUM_BLOCKS,
+            "block_write_idx": WRITE_IDX, "eps": EPS, "out_eps": EPS, "layout": LAYOUT}
+
+
+def check_peer(make, args) -> str | None:
+    """What is wrong with a peer's step on copies of ``args`` (None: nothing), by
+    :func:`check_fused`'s rules: the new prefix and the bank bit for bit, the output within
+    its bound of the spec and near the eager chain."""
+    peer_args, spec_args, chain_args = (_clone(args) for _ in range(3))
+    out_chain = attn_res_chain(*chain_args)[1]
+    prefix, delta, bank, norm_w, proj_w, out_w = spec_args
+    out_spec = reference.attn_res(prefix, bank, NUM_BLOCKS, norm_w, proj_w[0], EPS, delta,
+                                  WRITE_IDX, out_w, EPS)
+    out = make(peer_inputs(*peer_args))()
+    if not torch.equal(peer_args[0], prefix):
+        return "the new prefix is not prefix + delta (bit for bit)"
+    if not torch.equal(peer_args[2], bank):
+        return f"the bank differs from the reference's (block write to slot {WRITE_IDX})"
+    try:
+        torch.testing.assert_close(out, out_spec, rtol=2**-6, atol=2**-6)
+        assert_near_chain(out, out_chain, "vs eager chain")
+    except (AssertionError, TypeError, ValueError) as e:
+        return peer_kernels.failure(e)
+    return None
+
+
+def run(tokens=TOKENS, sweep: bool = False, compiled=None, peers=(), *, device="cuda",
+        hidden: int = HIDDEN, timer=None) -> dict:
+    """``compiled``: {column: dynamo backend, a name or a callable}; ``peers``:
+    :class:`peers.Peer` of this op. ``device``, ``hidden`` and ``timer`` (``(fn, arg_sets)
+    -> us``, default :func:`cuda_graph_us`) let a CPU test run the loop."""
     compiled = dict(COMPILED_VARIANTS if compiled is None else compiled)
+    timer = timer or cuda_graph_us
     rows = []
     for t in tokens:
         # Rotate input sets so that every variant reads from HBM, not from L2.
-        sets = [_inputs(t) for _ in range(sets_to_outgrow_l2(_bytes(t)))]
+        sets = [_inputs(t, device, hidden) for _ in range(sets_to_outgrow_l2(_bytes(t, hidden)))]
         check_fused(sets[0])
         k3fusion.reset_match_counts()
         variants = {"eager": attn_res_chain}
         variants.update({name: compile_uncached(attn_res_chain, backend)
                          for name, backend in compiled.items()})
         variants["fused_op"] = fused_op
-        shape = pick_launch_shape(t, HIDDEN, NUM_BLOCKS)
-        row = {"T": t, "floor_us": hbm_floor_us(_bytes(t)), "input_sets": len(sets),
+        shape = pick_launch_shape(t, hidden, NUM_BLOCKS)
+        row = {"T": t, "floor_us": hbm_floor_us(_bytes(t, hidden)), "input_sets": len(sets),
                "shape": shape_label(shape)}
         chain_out = attn_res_chain(*_clone(sets[0]))[1]
         for name, fn in variants.items():
             if name in compiled:
                 out = fn(*_clone(sets[0]))[1]  # compiles; check before timing
                 assert_near_chain(out, chain_out, f"{name} vs eager chain")
-            row[f"{name}_us"] = cuda_graph_us(fn, sets)
+            row[f"{name}_us"] = timer(fn, sets)
         if "k3fusion" in compiled:
             row["k3fusion_matches"] = k3fusion.match_counts().get("attn_res", 0)
+        if peers:
+            row["peers"] = peer_kernels.time_peers(
+                peers, peer_point(t, hidden), [peer_inputs(*s) for s in sets],
+                lambda make: check_peer(make, sets[0]), timer)
+            peer_kernels.summarize(row, PEER_BASELINE)
         if sweep:
             outs = [torch.empty_like(s[0]) for s in sets]
             shapes = [("row", {"sources_per_tile": a, "num_warps": w, "loop_stages": st,
@@ -171,7 +219,7 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
             shapes += [("split", {"kind": "split", "chunk": a, "num_warps": w})
                        for a, w in SWEEP_SPLIT]
             for kind, kw in shapes:
-                label = shape_label(pick_launch_shape(t, HIDDEN, NUM_BLOCKS, **kw))
+                label = shape_label(pick_launch_shape(t, hidden, NUM_BLOCKS, **kw))
                 row["sweep " + label] = cuda_graph_us(
                     lambda prefix, delta, bank, norm_w, proj_w, out_w, out, kw=kw:
                     launch(prefix, bank, NUM_BLOCKS, norm_w, proj_w[0], EPS, out,
@@ -186,16 +234,16 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None) -> dict:
         rows.append(row)
         print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in row.items()), flush=True)
-    return {"bench": "attn_res", "hidden": HIDDEN, "num_blocks": NUM_BLOCKS, "layout": LAYOUT,
-            "prefill_tokens": PREFILL_TOKENS, "compiled": compiled, "rows": rows,
-            **environment()}
+    return {"bench": "attn_res", "hidden": hidden, "num_blocks": NUM_BLOCKS, "layout": LAYOUT,
+            "prefill_tokens": PREFILL_TOKENS, "compiled": {k: str(v) for k, v in compiled.items()},
+            "rows": rows, "peers": peer_kernels.sources(peers), **environment(device)}
 
 
 def markdown(result: dict) -> str:
     compiled = list(result["compiled"])
     names = {"inductor": "default Inductor", "k3fusion": "k3fusion (compiled)"}
     head = ["T", "eager", *[names.get(c, c) for c in compiled], "fused op (shape)", "HBM floor",
-            "fused vs Inductor", "of floor"]
+            "fused vs Inductor", "of floor", *peer_kernels.table_columns(result)]
     lines = [
         f"AttnRes step, bf16, H {result['hidden']}, {result['num_blocks']} blocks + prefix "
         "(9 sources), delta + block write + output norm. "
@@ -213,7 +261,9 @@ def markdown(result: dict) -> str:
                   f"{r['floor_us']:.2f}",
                   "-" if r["speedup_vs_inductor"] is None else f"{r['speedup_vs_inductor']:.2f}x",
                   f"{100 * r['floor_fraction']:.0f}%"]
+        cells += peer_kernels.table_cells(result, r)
         lines.append("| " + " | ".join(cells) + " |")
+    lines += peer_kernels.sources_lines(result, "the fused op")
     sweep_keys = [k for k in result["rows"][0] if k.startswith("sweep ")] if result["rows"] else []
     if sweep_keys:
         lines += ["", "Kernel launch-shape sweep (us; row: sources per tile x warps, split: "
@@ -230,6 +280,7 @@ def plot(result: dict, path: Path) -> None:
     series = [("eager_us", "eager")]
     series += [(f"{c}_us", {"inductor": "default Inductor"}.get(c, c)) for c in result["compiled"]]
     series += [("fused_op_us", "fused op"), ("floor_us", "HBM floor")]
+    series += peer_kernels.plot_series_of(result)
     plot_series(result, series,
                 f"AttnRes step (9 sources, H {result['hidden']}), bf16, {result['gpu']}", path)
 
@@ -241,13 +292,14 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=LAYOUTS, default="sources-last",
                    help="bank memory layout (sources-first: [slots, T, H] read through a view)")
     args = p.parse_args(argv)
+    peers = peer_kernels.from_args(p, args, "attn_res")
     global LAYOUT
     LAYOUT = args.layout
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     compiled = dict(COMPILED_VARIANTS)
     compiled.update({b: b for b in args.compiled})
-    result = run(args.tokens, args.sweep, compiled)
+    result = run(args.tokens, args.sweep, compiled, peers)
     name = "attn_res" if LAYOUT == "sources-last" else "attn_res_sources_first"
     write_results(args.out, name, result, markdown(result), plot)
     return 0

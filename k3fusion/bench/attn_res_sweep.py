@@ -1,10 +1,12 @@
 """Sweep the AttnRes step's launch shapes over widths, block counts and token counts (issue 20).
 
-``python -m k3fusion.bench.attn_res_sweep --out DIR [--quick] [--skip-inductor] [--dry-run]``
+``python -m k3fusion.bench.attn_res_sweep --out DIR [--quick] [--skip-inductor] [--dry-run]
+[--peers DIR]``
 
 At every ``(H, nb, T)`` point, under CUDA-graph replay: every candidate launch shape
 (:func:`candidates`), default Inductor, and at ``T = 1`` a bytes-only latency floor, each
-candidate checked against ``k3fusion.reference.attn_res`` first (:func:`check`). Compiles
+candidate checked against ``k3fusion.reference.attn_res`` first (:func:`check`), and each
+peer kernel of ``--peers`` (:mod:`k3fusion.bench.peers`, :func:`check_peer`). Compiles
 run first in a pool of workers that fill the on-disk caches. Writes
 ``DIR/attn_res_sweep.json`` after every ``(H, nb)`` and prints the selection table the data
 implies; ``--tables-from JSON`` prints it again. ``--dry-run``: everything at tiny sizes in
@@ -35,7 +37,8 @@ from k3fusion import reference
 from k3fusion.kernels.attn_res import attn_res as launch
 from k3fusion.kernels.attn_res import pick_launch_shape
 
-from .common import environment, hf_rms_norm
+from . import peers as peer_kernels
+from .common import add_peers_argument, environment, hf_rms_norm
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
 HIDDENS = (2048, 4096, 7168)
@@ -291,6 +294,39 @@ def _max_ulps(actual, expected, atol=0.0) -> float:
     return ((a - e).abs() - atol).clamp_min(0).div(ulp).max().item() if a.numel() else 0.0
 
 
+def peer_point(T: int, H: int, nb: int) -> dict:
+    """A point as a peer's ``declines`` and ``make`` get it (``peers.CONTRACTS["attn_res"]``)."""
+    return {"op": "attn_res", "T": T, "hidden": H, "num_blocks": nb, "block_write_idx": nb,
+            "eps": EPS, "out_eps": EPS, "layout": "sources-last"}
+
+
+def peer_inputs(args) -> dict:
+    prefix, delta, bank, norm_w, proj_w, out_w = args
+    return {"prefix": prefix, "delta": delta, "bank": bank, "norm_weight": norm_w,
+            "proj_weight": proj_w[0], "out_norm_weight": out_w}
+
+
+def check_peer(make, args, nb: int, *, interpreted: bool) -> str | None:
+    """What is wrong with a peer's step on clones of ``args`` (None: nothing): the new
+    prefix and the bank as :func:`check` holds a candidate to (bit for bit; 1 ulp where the
+    interpreter truncates), the output within ``bench.attn_res``'s bound of the spec's (a
+    peer has no mix-only launch for :func:`check`'s staged bound)."""
+    ref_prefix, ref_bank, ref_out = reference_step(args, nb)
+    a = [x.clone() for x in args]
+    out = make(peer_inputs(a))()
+    prefix, bank = a[0], a[2]
+    same = ((lambda x, y: _max_ulps(x, y) <= 1.0) if interpreted else torch.equal)
+    if not same(prefix, ref_prefix):
+        return "the new prefix is not prefix + delta"
+    if not same(bank, ref_bank):
+        return f"the bank differs from the reference's (block write to slot {nb})"
+    try:
+        torch.testing.assert_close(out, ref_out, rtol=2**-6, atol=2**-6)
+    except (AssertionError, TypeError, ValueError) as e:
+        return peer_kernels.failure(e)
+    return None
+
+
 # ---------------------------------------------------------------------- bytes-only floor
 
 
@@ -423,14 +459,18 @@ def inductor_order(tokens) -> list[int]:
 
 
 def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: Path,
-        budget_s: float, jobs: int, chosen_only: bool = False, inductor_blocks=None) -> dict:
+        budget_s: float, jobs: int, chosen_only: bool = False, inductor_blocks=None,
+        peers=(), timer=None) -> dict:
+    """``peers``: :class:`peers.Peer` of attn_res, checked and timed at every point;
+    ``timer``: ``(fn, arg_sets, T) -> us`` in place of CUDA-graph replay (the dry run's
+    default runs each once and says 1.0)."""
     t0 = time.perf_counter()
     device = "cpu" if dry_run else "cuda"
     result = {"bench": "attn_res_sweep", "hiddens": list(hiddens),
               "num_blocks": list(num_blocks), "tokens": list(tokens), "dry_run": dry_run,
               "inductor": inductor, "chosen_only": chosen_only, "out_ulps_bound": OUT_ULPS,
               "points": [],
-              "precompile_errors": {}}
+              "precompile_errors": {}, "peers": peer_kernels.sources(peers)}
     if dry_run:
         result.update(date=time.strftime("%Y-%m-%d"), gpu="cpu (interpreter)",
                       torch=torch.__version__, triton=triton.__version__)
@@ -447,11 +487,13 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
         result["precompile_errors"] = precompile(hiddens, num_blocks[:1], tokens[:1], False, 0,
                                                  device, chosen_only=chosen_only)
 
-    def timer(fn, sets, T):
+    def default_timer(fn, sets, T):
         if dry_run:
             fn(*sets[0])
             return 1.0
         return cuda_graph_us(fn, sets, reps=10 if T >= 512 else 30)
+
+    timer = timer or default_timer
 
     for H in hiddens:
         # One bank of 9 slots per (H, T), shared by every nb; enough sets that even the
@@ -518,7 +560,14 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
                                 [s + (o,) for s, o in zip(sets[T], outs[T])], T)
                         except Exception as e:
                             point.setdefault("bytes_only_errors", {})[name] = str(e)[:300]
+                if peers:
+                    point["peers"] = peer_kernels.time_peers(
+                        peers, peer_point(T, H, nb), [peer_inputs(s) for s in sets[T]],
+                        lambda make: check_peer(make, sets[T][0], nb, interpreted=dry_run),
+                        lambda fn, arg_sets, T=T: timer(fn, arg_sets, T))
                 summarize(point)
+                if peers:  # against the chosen shape: what k3fusion runs at this point
+                    peer_kernels.summarize(point, "default_us")
                 result["points"].append(point)
             print(f"H {H} nb {nb}: {len(result['points'])} points, "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
@@ -659,6 +708,58 @@ def heatmap(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def peer_table(result: dict) -> str:
+    """Markdown: per point k3fusion's chosen shape and each peer (us, or why not timed), and
+    the best peer against k3fusion; then the peers' sources. Empty without peers."""
+    if not result.get("peers"):
+        return ""
+    head = ["H", "blocks", "T", "k3fusion (chosen)", *peer_kernels.table_columns(result)]
+    lines = [f"AttnRes step against peer kernels, bf16, {result.get('gpu')}, "
+             f"{result.get('date')}, torch {result.get('torch')}, triton {result.get('triton')}; "
+             "us per call, CUDA-graph replay, the same rotated inputs.", "",
+             "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for p in result["points"]:
+        lines.append(f"| {p['H']} | {p['nb']} | {p['T']} | {_fmt(p.get('default_us'))} | "
+                     + " | ".join(peer_kernels.table_cells(result, p)) + " |")
+    lines += peer_kernels.sources_lines(result, "k3fusion's chosen shape")
+    return "\n".join(lines) + "\n"
+
+
+def peer_heatmap(result: dict, path: Path) -> None:
+    """PNG of the fastest peer's time over k3fusion's per (H, nb, T) (below 1/1.02, a
+    public kernel more than 2% faster: outlined red), one panel per width."""
+    import matplotlib  # optional (the bench extra)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    by = {(p["H"], p["nb"], p["T"]): p for p in result["points"]}
+    hiddens, blocks, tokens = result["hiddens"], result["num_blocks"], result["tokens"]
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(4.2 * len(hiddens), 4.6), squeeze=False)
+    for ax, H in zip(axes[0], hiddens):
+        grid = np.full((len(blocks), len(tokens)), np.nan)
+        for i, nb in enumerate(blocks):
+            for j, T in enumerate(tokens):
+                speedup = (by.get((H, nb, T)) or {}).get("peer_speedup")
+                if speedup:
+                    grid[i, j] = 1 / speedup
+                    ax.text(j, i, f"{1 / speedup:.2f}", ha="center", va="center", fontsize=8)
+                    if speedup > peer_kernels.NOISE:
+                        ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
+                                                   edgecolor="red", linewidth=2))
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.5, aspect="auto")
+        ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set_yticks(range(len(blocks)), [str(nb) for nb in blocks])
+        ax.set(xlabel="tokens T", ylabel="completed blocks", title=f"H {H}")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8,
+                 label="fastest peer us / k3fusion us (red: a peer over 2% faster)")
+    fig.suptitle(f"AttnRes step, k3fusion's chosen launch vs the fastest peer "
+                 f"({result.get('gpu')}, {result.get('date')}, bf16)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def _ratio(a, b):
     return a / b if a and b else None
 
@@ -670,7 +771,8 @@ def point_table(result: dict) -> str:
     lines = [f"{result.get('gpu')}, {result.get('date')}, torch {result.get('torch')}, triton "
              f"{result.get('triton')}; us per call (CUDA-graph median)",
              "    H nb    T best       us chosen       us    prev  public inductor ind/c "
-             "prv/c c/bst floor"]
+             "prv/c c/bst floor" + ("  best peer / k3fusion's time over it"
+                                    if result.get("peers") else "")]
     for p in result["points"]:
         best, chosen = p.get("best_us"), p.get("default_us")
         lines.append(f"{p['H']:5d} {p['nb']:2d} {p['T']:4d} {p.get('best') or '-':8s}"
@@ -681,8 +783,20 @@ def point_table(result: dict) -> str:
                      f"{_fmt(_ratio(p.get('previous_us'), chosen)):>5s} "
                      f"{_fmt(_ratio(chosen, best)):>5s}"
                      + (f" {p['bytes_only_best_us']:.2f}" if p.get("bytes_only_best_us") else "")
-                     + (f" WRONG: {','.join(p['wrong'])}" if p.get("wrong") else ""))
+                     + (f" WRONG: {','.join(p['wrong'])}" if p.get("wrong") else "")
+                     + (f"  peer {p['best_peer']} {p['best_peer_us']:.2f} "
+                        f"{_fmt(p.get('peer_speedup'))}"
+                        + (" PEER FASTER" if (p.get("peer_speedup") or 0) > peer_kernels.NOISE
+                           else "") if p.get("best_peer") else "")
+                     + _peer_problems(p))
     return "\n".join(lines)
+
+
+def _peer_problems(point: dict) -> str:
+    """Peers that declined, failed the check or crashed at a point, for its line."""
+    bad = [f"{n}: {next(iter(c))}" for n, c in (point.get("peers") or {}).items()
+           if "us" not in c]
+    return f"  [{'; '.join(bad)}]" if bad else ""
 
 
 def main(argv=None) -> int:
@@ -709,12 +823,18 @@ def main(argv=None) -> int:
                    help="with --tables-from: also draw the k3fusion-vs-Inductor heat map")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="no new Inductor compiles after this many seconds of the sweep")
+    add_peers_argument(p)
     args = p.parse_args(argv)
+    peers = peer_kernels.from_args(p, args, "attn_res")
     if args.tables_from:
         result = json.loads(args.tables_from.read_text())
         print(selection_table(result) + "\n\n" + point_table(result))
+        if result.get("peers"):
+            print("\n" + peer_table(result))
         if args.heatmap:
             heatmap(result, args.heatmap)
+            if result.get("peers"):
+                peer_heatmap(result, args.heatmap.with_name(args.heatmap.stem + "_peers.png"))
         return 0
     if args.dry_run:
         # Triton reads this when k3fusion's kernels are decorated, i.e. before this module
@@ -734,13 +854,17 @@ def main(argv=None) -> int:
     result = run(sizes["hiddens"], sizes["num_blocks"], sizes["tokens"],
                  inductor=not args.skip_inductor, dry_run=args.dry_run,
                  out_dir=args.out, budget_s=args.budget_s, jobs=0 if args.dry_run else jobs,
-                 chosen_only=args.chosen_only,
+                 chosen_only=args.chosen_only, peers=peers,
                  inductor_blocks=(args.inductor_blocks if args.inductor_blocks
                                   else CHOSEN_INDUCTOR_BLOCKS if args.chosen_only else None))
     tables = selection_table(result) + "\n\n" + point_table(result) + "\n"
+    if peers:
+        tables += "\n" + peer_table(result)
     (args.out / "attn_res_sweep.md").write_text(tables)
     try:
         heatmap(result, args.out / "attn_res_sweep_heatmap.png")
+        if peers:
+            peer_heatmap(result, args.out / "attn_res_sweep_heatmap_peers.png")
     except ImportError as e:  # matplotlib: the bench extra
         print(f"no heat map ({e})")
     print(f"\nsweep took {result['seconds']:.0f} s; raw: {args.out / 'attn_res_sweep.json'}")

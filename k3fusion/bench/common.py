@@ -40,10 +40,11 @@ def compile_uncached(fn: Callable, backend: str) -> Callable:
     return call
 
 
-def environment() -> dict:
+def environment(device="cuda") -> dict:
+    """Date, GPU and versions of a run (``device`` "cpu": a CPU test of a bench's loop)."""
     return {
         "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": "cpu" if str(device) == "cpu" else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
@@ -55,7 +56,14 @@ def base_parser(prog: str, tokens) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     p.add_argument("--tokens", type=int, nargs="*", default=list(tokens))
     p.add_argument("--sweep", action="store_true", help="time every kernel launch shape")
+    add_peers_argument(p)
     return p
+
+
+def add_peers_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peers", type=Path, default=None, metavar="DIR",
+                   help="also check and time the peer kernels whose adapters are in DIR "
+                        "(docs/bench-methods.md, 'Peer kernels')")
 
 
 def write_results(out: Path, name: str, result: dict, markdown: str,

@@ -1,12 +1,12 @@
 """Benchmark the latent-MoE tail on one GPU (needs CUDA).
 
 ``python -m k3fusion.bench.moe_tail [--out DIR] [--tokens T ...] [--sweep | --sweep-only]
-[--tp-tokens T ...] [--tps TP ...]``
+[--tp-tokens T ...] [--tps TP ...] [--peers DIR]``
 
 At Kimi-K3's widths, bf16, under CUDA-graph replay against the HBM floor: (a) the tp = 1
 tail ``shared + rms_norm(routed) @ up_w.T`` -- eager, default Inductor, the fused kernel,
-the op, and the model form compiled with and without ``backend="k3fusion"``, each checked
-against the reference first; ``--sweep`` also times the kernel's launch configs (to choose
+the op, the model form compiled with and without ``backend="k3fusion"``, and each peer
+kernel of ``--peers`` (:mod:`k3fusion.bench.peers`), each checked against the reference first; ``--sweep`` also times the kernel's launch configs (to choose
 ``kernels.moe_tail.pick_launch_config``); (b) one rank's column-parallel up-projection GEMM
 against the replicated one. Writes ``moe_tail.json``, ``moe_tail.md`` and ``moe_tail.png``
 to ``--out``.
@@ -29,6 +29,7 @@ from k3fusion.kernels.moe_tail import (MAX_TOKENS, LaunchConfig, _block_m, _gemv
                                        _num_sms, _resolve_config, pick_launch_config)
 from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
 
+from . import peers as peer_kernels
 from .common import base_parser, compile_uncached, environment, hf_rms_norm, write_results
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
@@ -42,6 +43,8 @@ TP_TOKENS = (512, 4096, 16384)
 TPS = (2, 4, 8)
 LATENT, HIDDEN, SHARED_INTER = 3584, 7168, 2048
 EPS = 1e-6
+#: The column peers are compared with: the op (its tier for T), called directly as a peer is.
+PEER_BASELINE = "op_us"
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # (a CPU dry run of the code paths sets "cpu" and smaller widths)
 
@@ -87,6 +90,29 @@ def _model_inputs(t: int):
 
 def _model_bytes(t: int) -> int:
     return _tail_bytes(t) - 2 * t * HIDDEN + 2 * (HIDDEN * SHARED_INTER + t * SHARED_INTER)
+
+
+def peer_inputs(routed, shared, norm_w, up_w) -> dict:
+    """One input set as a peer's ``make`` gets it (``peers.CONTRACTS["moe_tail"]``)."""
+    return {"routed": routed, "shared": shared, "norm_weight": norm_w, "up_weight": up_w}
+
+
+def peer_point(t: int) -> dict:
+    return {"op": "moe_tail", "T": t, "latent": LATENT, "hidden": HIDDEN, "eps": EPS}
+
+
+def time_peers(peers, t: int, sets, ref, timer=cuda_graph_us) -> dict:
+    """The ``peers`` cells of one row: each peer checked as :func:`_check` checks the
+    variants, against ``ref``, then timed on ``sets``."""
+    def check(make):
+        try:
+            _check(make(peer_inputs(*[a.clone() for a in sets[0]]))(), ref, "peer")
+        except (AssertionError, TypeError, ValueError) as e:
+            return peer_kernels.failure(e)
+        return None
+
+    return peer_kernels.time_peers(peers, peer_point(t), [peer_inputs(*s) for s in sets],
+                                   check, timer)
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -170,7 +196,7 @@ def _sweep(t: int, sets) -> dict:
 
 
 @torch.no_grad()  # inference graphs: what the passes fuse (and no recompile on grad mode)
-def run_tail(tokens=TOKENS, sweep: bool = False, variants: bool = True) -> list[dict]:
+def run_tail(tokens=TOKENS, sweep: bool = False, variants: bool = True, peers=()) -> list[dict]:
     def kernel(routed, shared, norm_w, up_w):
         return launch(routed, shared, norm_w, EPS, up_w)
 
@@ -191,6 +217,9 @@ def run_tail(tokens=TOKENS, sweep: bool = False, variants: bool = True) -> list[
                 _check(fn(*sets[0]), ref, name)  # compiles, then checks, then times
                 row[f"{name}_us"] = cuda_graph_us(fn, sets)
             row["op_tier"] = str(k3fusion.moe_tail.select_tier(t, HIDDEN, 1, DEVICE))
+            if peers:
+                row["peers"] = time_peers(peers, t, sets, ref)
+                peer_kernels.summarize(row, PEER_BASELINE)
 
             msets = [_model_inputs(t) for _ in range(sets_to_outgrow_l2(_model_bytes(t)))]
             mref = tail_model_form(*msets[0])
@@ -268,11 +297,12 @@ def run_tp(tokens=TP_TOKENS, tps=TPS) -> list[dict]:
 
 
 def run(tokens=TOKENS, sweep: bool = False, sweep_only: bool = False, tp_tokens=TP_TOKENS,
-        tps=TPS) -> dict:
-    rows = run_tail(tokens, sweep or sweep_only, variants=not sweep_only)
+        tps=TPS, peers=()) -> dict:
+    rows = run_tail(tokens, sweep or sweep_only, variants=not sweep_only, peers=peers)
     tp_rows = [] if sweep_only else run_tp(tp_tokens, tps)
     return {"bench": "moe_tail", "latent": LATENT, "hidden": HIDDEN, "dtype": "bfloat16",
-            "rows": rows, "tp_rows": tp_rows, "tps": list(tps), **environment()}
+            "rows": rows, "tp_rows": tp_rows, "tps": list(tps),
+            "peers": peer_kernels.sources(peers), **environment()}
 
 
 def _f(row: dict, key: str, fmt: str = "{:.2f}") -> str:
@@ -292,15 +322,19 @@ def markdown(result: dict) -> str:
             "(a) tp = 1 tail `shared + rms_norm(routed) @ up_w.T`:",
             "",
             "| T | eager | default Inductor | fused kernel | op (tier) | HBM floor "
-            "| kernel vs Inductor | of floor |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| kernel vs Inductor | of floor |"
+            + "".join(f" {c} |" for c in peer_kernels.table_columns(result)),
+            "|---:|---:|---:|---:|---:|---:|---:|---:|"
+            + "---:|" * len(peer_kernels.table_columns(result)),
         ]
         for r in rows:
             lines.append(
                 f"| {r['T']} | {_f(r, 'eager_us')} | {_f(r, 'inductor_us')} | "
                 f"{_f(r, 'kernel_us')} | {_f(r, 'op_us')} ({r.get('op_tier', '-')}) | "
                 f"{_f(r, 'floor_us')} | {_f(r, 'kernel_vs_inductor', '{:.2f}x')} | "
-                f"{_f(r, 'kernel_of_floor', '{:.0%}')} |")
+                f"{_f(r, 'kernel_of_floor', '{:.0%}')} |"
+                + "".join(f" {c} |" for c in peer_kernels.table_cells(result, r)))
+        lines += peer_kernels.sources_lines(result, "the op")
         lines += [
             "",
             "Model form `act @ down_w.T + rms_norm(routed) @ up_w.T` (shared down-projection "
@@ -353,8 +387,9 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[0]
     for key, label in (("eager_us", "eager"), ("inductor_us", "default Inductor"),
                        ("kernel_us", "fused kernel"), ("model_inductor_us", "model form, Inductor"),
-                       ("model_k3fusion_us", "model form, k3fusion"), ("floor_us", "HBM floor")):
-        pts = [(r["T"], r[key]) for r in rows if key in r]
+                       ("model_k3fusion_us", "model form, k3fusion"), ("floor_us", "HBM floor"),
+                       *peer_kernels.plot_series_of(result)):
+        pts = [(r["T"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=label,
                     linestyle="--" if key == "floor_us" else "-")
@@ -389,13 +424,15 @@ def parser():
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    peers = peer_kernels.from_args(p, args, "moe_tail")
     for name in ("tokens", "tp_tokens", "tps"):
         if any(v < 1 for v in getattr(args, name)):
             raise SystemExit(f"--{name.replace('_', '-')} values must be >= 1")
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU (none is visible here)")
-    result = run(args.tokens, args.sweep, args.sweep_only, args.tp_tokens, args.tps)
+    result = run(args.tokens, args.sweep, args.sweep_only, args.tp_tokens, args.tps, peers)
     write_results(args.out, "moe_tail", result, markdown(result), plot)
     return 0
 
