@@ -180,9 +180,20 @@ def test_training_step_fuses_the_forward_and_its_gradients_are_within_bound(buil
             name, float(c.mean()), float(e.mean()))
 
 
+def _lm_loss(out, args):
+    logits = _logits(out)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                             args[0][:, 1:].flatten())
+
+
+def _regression_loss(out, args):
+    return (out.float() - args[0].float().roll(1, dims=1)).square().mean()
+
+
 @pytest.mark.slow
-def test_twenty_training_steps_track_eager():
-    model, args, sites = _tiny_k3(torch.float32)
+@pytest.mark.parametrize("build, loss_of", [(_tiny_k3, _lm_loss), (_nanogpt, _regression_loss)])
+def test_twenty_training_steps_track_eager(build, loss_of):
+    model, args, sites = build(torch.float32)
     twin = copy.deepcopy(model)
     losses = {}
     with cpu_path("reference"):
@@ -192,12 +203,10 @@ def test_twenty_training_steps_track_eager():
             losses[name] = []
             for _ in range(20):
                 opt.zero_grad(set_to_none=True)
-                logits = _logits(step_fn(*args))
-                loss = torch.nn.functional.cross_entropy(
-                    logits[:, :-1].flatten(0, 1).float(), args[0][:, 1:].flatten())
+                loss = loss_of(step_fn(*args), args)
                 loss.backward()
                 opt.step()
-                losses[name].append(float(loss))
+                losses[name].append(loss.item())
     assert _fused(k3fusion.match_counts()) == sites
     assert losses["k3fusion"][-1] < losses["k3fusion"][0]  # it trains
     for step, (a, b) in enumerate(zip(losses["eager"], losses["k3fusion"])):
