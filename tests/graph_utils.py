@@ -227,15 +227,17 @@ class LoweringBackend(CaptureBackend):
 
 
 def compile_capture(fn: Callable, *args, fusion_pass: Any = _DEFAULT, dynamic: bool | None = False,
-                    **kwargs) -> tuple[Any, CaptureBackend]:
+                    grad: bool = False, **kwargs) -> tuple[Any, CaptureBackend]:
     """Compile ``fn`` with a fresh :class:`CaptureBackend`, run it once on ``args``.
 
-    Returns (output, backend). Runs under ``torch.no_grad()`` (inference graphs, as served).
+    Returns (output, backend). Runs under ``torch.no_grad()`` (inference graphs, as served);
+    ``grad=True``: with autograd recording (a module with parameters that require grad
+    then compiles the forward of a training pair, the graph the pass sees).
     """
     torch._dynamo.reset()
     backend = CaptureBackend(fusion_pass)
     compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)
-    with torch.no_grad():
+    with contextlib.nullcontext() if grad else torch.no_grad():
         out = compiled(*args, **kwargs)
     return out, backend
 
@@ -396,17 +398,18 @@ def expected_from(*verdicts: bool | None) -> bool | None:
 
 def check_mutated_site(module: torch.nn.Module, args: tuple, fusion: str,
                        expect: bool | None, *, dynamic: bool, what: str,
-                       rounded: torch.dtype) -> int:
+                       rounded: torch.dtype, grad: bool = False) -> int:
     """The mutation tests' rule for one drawn site: run the real passes (no codegen) and
     require ``fusion`` to match exactly when ``expect`` says so; a fused site is compiled
     again through Inductor's lowering and codegen (:class:`LoweringBackend`), an unfused
     one must leave the graph exactly as it was; every output equals eager within
-    ``rounded``'s rounding."""
+    ``rounded``'s rounding. ``grad``: compiled with autograd recording (the forward of a
+    training pair), where the same sites fuse."""
     with torch.no_grad():
         want = module(*args)
     k3fusion.reset_match_counts()
     with no_compile_caches():
-        got, be = compile_capture(module, *args, dynamic=dynamic)
+        got, be = compile_capture(module, *args, dynamic=dynamic, grad=grad)
     fused = k3fusion.match_counts().get(fusion, 0)
     if expect is not None:
         assert fused == int(expect), f"{what}: fused {fused}, expected {int(expect)}"
@@ -415,7 +418,7 @@ def check_mutated_site(module: torch.nn.Module, args: tuple, fusion: str,
     if fused:  # lowering and codegen for real (the C++ compiler aside: LoweringBackend)
         torch._dynamo.reset()
         k3fusion.reset_match_counts()
-        with torch.no_grad(), no_compile_caches():
+        with contextlib.nullcontext() if grad else torch.no_grad(), no_compile_caches():
             got = torch.compile(module, backend=LoweringBackend(), dynamic=dynamic)(*args)
         assert k3fusion.match_counts().get(fusion, 0) == 1, what
     else:  # left exactly as it was: what Inductor compiles is default Inductor's graph
@@ -423,5 +426,5 @@ def check_mutated_site(module: torch.nn.Module, args: tuple, fusion: str,
     got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
     assert len(got) == len(want), what
     for a, b in zip(got, want):
-        assert_close_rounding(a, b, rounded=rounded)
+        assert_close_rounding(a.detach(), b, rounded=rounded)
     return fused

@@ -110,21 +110,23 @@ def draws(draw):
     lead = draw(st.sampled_from([(1,), (5,), (2, 3)]))
     # dynamic: symbolic T, and a module's float eps becomes a 0-dim graph input
     dynamic = draw(st.booleans())
-    return spelling, norm_mutation, site, dtype, lead, dynamic
+    grad = draw(st.booleans())  # autograd recording: the forward of a training pair
+    return spelling, norm_mutation, site, dtype, lead, dynamic, grad
 
 
 def rounding_dtype(norm_mutation: str, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if norm_mutation == "cast_other_dtype" else dtype
 
 
-def check_draw(spelling, norm_mutation, site, dtype, lead, dynamic=False, seed=0):
+def check_draw(spelling, norm_mutation, site, dtype, lead, dynamic=False, grad=False, seed=0):
     module = LatentTail(spelling, norm_mutation, site, dtype, lead[-1], seed).eval()
     g = torch.Generator().manual_seed(seed + 7)
     args = tuple(torch.randn(*lead, n, generator=g).to(dtype) for n in (ACT, LATENT, HIDDEN))
-    what = f"{norm_mutation} in {spelling}, site {site}, {dtype}, {lead}, dynamic={dynamic}"
+    what = (f"{norm_mutation} in {spelling}, site {site}, {dtype}, {lead}, dynamic={dynamic}, "
+            f"grad={grad}")
     return check_mutated_site(module, args, "moe_tail", expected_fused(norm_mutation, site, dtype),
                               dynamic=dynamic, what=what,
-                              rounded=rounding_dtype(norm_mutation, dtype))
+                              rounded=rounding_dtype(norm_mutation, dtype), grad=grad)
 
 
 # CI: 25 draws (~20 s on 2 busy cores); HYPOTHESIS_PROFILE=dev: 300.

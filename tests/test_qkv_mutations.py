@@ -117,7 +117,8 @@ def draws(draw):
     lead = draw(st.sampled_from([(1,), (3,), (2, 3)]))
     # dynamic: symbolic T, and a module's float eps becomes a 0-dim graph input
     dynamic = draw(st.booleans())
-    return norm_mutation, member, site, spellings, dtype, lead, dynamic
+    grad = draw(st.booleans())  # autograd recording: the forward of a training pair
+    return norm_mutation, member, site, spellings, dtype, lead, dynamic, grad
 
 
 # CI: 20 draws (~25 s on 2 busy cores); HYPOTHESIS_PROFILE=dev: 300.
@@ -128,16 +129,17 @@ _SETTINGS = dict(max_examples=_EXAMPLES, deadline=None, phases=[Phase.explicit, 
                                         HealthCheck.function_scoped_fixture])
 
 
-def check_draw(norm_mutation, member, site, spellings, dtype, lead, dynamic=False, seed=0):
+def check_draw(norm_mutation, member, site, spellings, dtype, lead, dynamic=False, grad=False,
+               seed=0):
     tokens = lead[-1]
     module = MLAFront(spellings, norm_mutation, member, site, dtype, tokens, seed).eval()
     g = torch.Generator().manual_seed(seed + 7)
     h = torch.randn(*lead, HIDDEN, generator=g).to(dtype)
     what = (f"{norm_mutation} on {member} ({spellings}), site {site}, {dtype}, {lead}, "
-            f"dynamic={dynamic}")
+            f"dynamic={dynamic}, grad={grad}")
     return check_mutated_site(module, (h,), "qkv_rmsnorm",
                               expected_fused(norm_mutation, site, dtype), dynamic=dynamic,
-                              what=what, rounded=rounding_dtype(norm_mutation, dtype))
+                              what=what, rounded=rounding_dtype(norm_mutation, dtype), grad=grad)
 
 
 def rounding_dtype(norm_mutation: str, dtype: torch.dtype) -> torch.dtype:
