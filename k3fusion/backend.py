@@ -12,7 +12,7 @@ import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import list_mode_options
 
-from .pass_manager import K3FusionPass, compose_with
+from .pass_manager import K3FusionPass, K3JointPass, compose_with
 
 __all__ = ["k3fusion_backend", "install", "uninstall"]
 
@@ -38,28 +38,39 @@ def k3fusion_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | No
         patches.update(options)
     user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = compose_with(user_pass)
+    user_joint = patches.get("joint_custom_pre_pass", inductor_config.joint_custom_pre_pass)
+    patches["joint_custom_pre_pass"] = compose_with(user_joint, K3JointPass())
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-#: One record per effective :func:`install`: (what was there, what install put there,
-#: k3fusion's own pass, the installed list's contents when it was a list).
-_previous: list[tuple[Any, Any, K3FusionPass, list | None]] = []
+#: The Inductor settings install() composes with, and the pass it adds to each.
+_HOOKS = (("post_grad_custom_post_pass", K3FusionPass), ("joint_custom_pre_pass", K3JointPass))
+
+#: One record per effective :func:`install`, per setting it changed: (what was there, what
+#: install put there, k3fusion's own pass, the installed list's contents when it was a list).
+_previous: list[dict[str, tuple[Any, Any, K3FusionPass, list | None]]] = []
 
 
 def install() -> None:
-    """Add the k3fusion pass to every ``backend="inductor"`` compile in this process.
+    """Add the k3fusion passes to every ``backend="inductor"`` compile in this process: the
+    post-grad pass, and the joint-graph pass that fuses training compiles' forwards.
 
-    Composes with a ``post_grad_custom_post_pass`` already set (that one runs first).
-    Idempotent; :func:`uninstall` takes it out again. A pass you set *after* install()
-    replaces the composition (torch's config holds one value): set yours first, or set
-    ``k3fusion.pass_manager.compose_with(yours)`` to keep both.
+    Composes with a ``post_grad_custom_post_pass`` / ``joint_custom_pre_pass`` already set
+    (that one runs first). Idempotent; :func:`uninstall` takes them out again. A pass you
+    set *after* install() replaces the composition (torch's config holds one value): set
+    yours first, or set ``k3fusion.pass_manager.compose_with(yours)`` to keep both.
     """
-    current = inductor_config.post_grad_custom_post_pass
-    ours = K3FusionPass()
-    composed = compose_with(current, ours)
-    if composed is not current:
-        _previous.append((current, composed, ours, list(composed) if isinstance(composed, list) else None))
-        inductor_config.post_grad_custom_post_pass = composed
+    records = {}
+    for key, make in _HOOKS:
+        current = getattr(inductor_config, key)
+        ours = make()
+        composed = compose_with(current, ours)
+        if composed is not current:
+            records[key] = (current, composed, ours,
+                            list(composed) if isinstance(composed, list) else None)
+            setattr(inductor_config, key, composed)
+    if records:
+        _previous.append(records)
 
 
 def _as_items(p) -> list:
@@ -90,8 +101,8 @@ def _without(current, previous, installed, ours, snapshot):
 
 def uninstall() -> None:
     """Undo :func:`install` (no-op when not installed): restores what was there before,
-    and leaves a pass set or added since in place (only k3fusion's pass goes)."""
+    and leaves a pass set or added since in place (only k3fusion's passes go)."""
     if _previous:
-        previous, installed, ours, snapshot = _previous.pop()
-        inductor_config.post_grad_custom_post_pass = _without(
-            inductor_config.post_grad_custom_post_pass, previous, installed, ours, snapshot)
+        for key, (previous, installed, ours, snapshot) in _previous.pop().items():
+            setattr(inductor_config, key, _without(getattr(inductor_config, key), previous,
+                                                   installed, ours, snapshot))

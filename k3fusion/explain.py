@@ -127,9 +127,9 @@ def _records_autograd(model, example_inputs) -> bool:
 
 
 _GRAD_NOTE = ("autograd records this call (grad mode is on and a parameter or input requires "
-              "grad): the forward is fused as under no_grad, and also computes the values "
-              "the backward reads (its backward is default Inductor's). For inference, "
-              "torch.no_grad() or torch.inference_mode() skips that work.")
+              "grad): the forward is fused as under no_grad; the backward, default "
+              "Inductor's, recomputes what it reads of the fused sites. For inference, "
+              "torch.no_grad() or torch.inference_mode() skips the backward's bookkeeping.")
 
 
 class _Collect(logging.Handler):

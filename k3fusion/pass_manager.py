@@ -26,11 +26,12 @@ from .config import FusionConfig, get_config
 from .counters import record_matches
 from .patterns.attn_res import FUSION_NAME as ATTN_RES, HANDOFF_NAME, fuse_attn_res
 from .patterns.moe_tail import FUSION_NAME as MOE_TAIL, fuse_moe_tail
-from .patterns._fx import CHANGE_HOOK, restore, saved_for_backward, saving, snapshot
+from .patterns._fx import (CHANGE_HOOK, SavedValues, is_backward_graph, joint_backward_values,
+                           recompute_in_backward, restore, saved_for_backward, saving, snapshot)
 from .patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm, pair_qkv_norms
 from .patterns.rms_norm import find_rms_norms
 
-__all__ = ["K3FusionPass", "ComposedPass", "compose_with"]
+__all__ = ["K3FusionPass", "K3JointPass", "ComposedPass", "compose_with"]
 
 log = logging.getLogger("k3fusion")
 
@@ -76,17 +77,27 @@ class K3FusionPass(CustomGraphPass):
         return self._config if self._config is not None else get_config()
 
     def __call__(self, graph: Graph) -> None:
-        """Run the fusions; on an error of a fusion itself (a bug: matching never raises
-        on a graph it does not understand) the graph goes back to what it was, a warning
-        says so, and the compile goes on: the result is default Inductor's. The graph is
-        copied once, lazily, before the first change (``_fx.before_change``)."""
+        """Run the fusions (see :meth:`_guarded`). A backward graph is left alone: what it
+        recomputes of a fused site is the gradient formulas' business (counts are the
+        forward's)."""
+        if is_backward_graph(graph):
+            return
+        # The forward of a training pair: values returned for the backward stay
+        # computed, and are no reason to leave a site unfused (patterns/_fx.py).
+        self._guarded(graph, saved_for_backward(graph))
+
+    def _guarded(self, graph: Graph, values: SavedValues) -> bool:
+        """Run the fusions, not counting the reads in ``values``; on an error of a fusion
+        itself (a bug: matching never raises on a graph it does not understand) the graph
+        goes back to what it was, a warning says so, and the compile goes on: the result
+        is default Inductor's (returns False). The graph is copied once, lazily, before
+        the first change (``_fx.before_change``)."""
         saved: list[Graph] = []
         setattr(graph, CHANGE_HOOK, lambda: saved or saved.append(snapshot(graph)))
         try:
-            # The forward of a training pair: values returned for the backward stay
-            # computed, and are no reason to leave a site unfused (patterns/_fx.py).
-            with saving(saved_for_backward(graph)):
+            with saving(values):
                 self._run(graph)
+            return True
         except Exception:
             if RAISE_INTERNAL_ERRORS:
                 raise
@@ -95,6 +106,7 @@ class K3FusionPass(CustomGraphPass):
             log.warning("k3fusion: a fusion failed on this graph, which is left unfused "
                         "(default Inductor compiles it); please report this with the "
                         "traceback below", exc_info=True)
+            return False
         finally:
             delattr(graph, CHANGE_HOOK)
 
@@ -147,6 +159,23 @@ class K3FusionPass(CustomGraphPass):
     def uuid(self) -> str:
         key = f"{_source_digest()}|{self.config.cache_key()}|torch={torch.__version__}"
         return hashlib.sha256(key.encode()).hexdigest()
+
+
+class K3JointPass(K3FusionPass):
+    """The fusions on the joint forward + backward graph of a training compile, as
+    Inductor's ``joint_custom_pre_pass`` (before AOTAutograd partitions it). The backward's
+    reads of a site's chain do not count; what the rewrite leaves computed only for them
+    is marked to be recomputed in the backward, so the forward runs the fused op alone
+    (docs/architecture.md, "While autograd records"). An inference graph (no backward) is
+    left to the post-grad pass."""
+
+    def __call__(self, graph: Graph) -> None:
+        values = joint_backward_values(graph)
+        if values is not None and self._guarded(graph, values):
+            recompute_in_backward(graph, values)
+
+    def uuid(self) -> str:
+        return "joint-" + super().uuid()
 
 
 # torch >= 2.12 also has inference-aware passes, called with ``is_inference``.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import operator
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 from torch.fx import Graph, Node
@@ -20,7 +20,8 @@ __all__ = [
     "row_padded", "through_row_padding", "slice_args", "keepdim_of",
     "LAYOUT_OPS", "view_layout", "same_size", "inductor_lowers", "insert_call", "all_or_nothing",
     "snapshot", "restore", "CHANGE_HOOK", "before_change",
-    "SavedValues", "saved_for_backward", "saving", "users",
+    "SavedValues", "saved_for_backward", "saving", "users", "is_backward_graph",
+    "joint_backward_values", "recompute_in_backward",
 ]
 
 # Reshapes (what a Linear's [B, S, K] -> [T, K] flattening lowers to).
@@ -162,21 +163,18 @@ def matmul_operands(node: object) -> tuple[Node, Node] | None:
 # leave a site unfused: what they read stays computed (erase_unused keeps a node
 # something reads) while the fused op serves the forward's own readers.
 
-_SAVED: contextvars.ContextVar[tuple[frozenset, frozenset]] = contextvars.ContextVar(
-    "k3fusion_saved", default=(frozenset(), frozenset()))
+class SavedValues(NamedTuple):
+    """``saved``: the nodes a forward returns for its backward; ``backward_only``: the nodes
+    whose every value goes only there (into the backward's inputs, or in a joint graph into
+    the backward's own nodes, ``backward``)."""
+
+    saved: frozenset = frozenset()
+    backward_only: frozenset = frozenset()
+    backward: frozenset = frozenset()
 
 
-class SavedValues(tuple):
-    """``(saved, backward_only)``: the nodes a forward returns for its backward, and the
-    nodes whose every value goes only there (into the backward's inputs)."""
-
-    @property
-    def saved(self) -> frozenset:
-        return self[0]
-
-    @property
-    def backward_only(self) -> frozenset:
-        return self[1]
+_SAVED: contextvars.ContextVar[SavedValues] = contextvars.ContextVar(
+    "k3fusion_saved", default=SavedValues())
 
 
 def saved_for_backward(graph: Graph) -> SavedValues:
@@ -188,7 +186,7 @@ def saved_for_backward(graph: Graph) -> SavedValues:
     out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
     visible = out.meta.get("user_visible_output_idxs") if out is not None else None
     if not visible or not isinstance(out.args[0], (tuple, list)):
-        return SavedValues((frozenset(), frozenset()))
+        return SavedValues()
     values, end = list(out.args[0]), max(visible) + 1
     kept = {v for v in values[:end] if isinstance(v, Node)}
     saved = frozenset(v for v in values[end:] if isinstance(v, Node) and v not in kept)
@@ -197,13 +195,65 @@ def saved_for_backward(graph: Graph) -> SavedValues:
         if n.op == "call_function" and n.users and all(
                 u in only or (u is out and n in saved) for u in n.users):
             only.add(n)
-    return SavedValues((saved, frozenset(only)))
+    return SavedValues(saved, frozenset(only))
+
+
+def _tangents(graph: Graph) -> list[Node]:
+    return [n for n in graph.nodes
+            if n.op == "placeholder" and str(n.target).startswith("tangents")]
+
+
+def is_backward_graph(graph: Graph) -> bool:
+    """A graph that takes the backward's incoming gradients (AOTAutograd's ``tangents_*``):
+    the backward of a training pair, or a joint graph."""
+    return bool(_tangents(graph))
+
+
+def _feeding_only(graph: Graph, backward: set) -> set:
+    """Nodes outside ``backward`` whose every value goes into it (directly or not)."""
+    only: set[Node] = set()
+    for n in reversed(graph.nodes):
+        if n.op in ("placeholder", "output") or n in backward:
+            continue
+        if n.users and all(u in backward or u in only for u in n.users):
+            only.add(n)
+    return only
+
+
+def joint_backward_values(graph: Graph) -> SavedValues | None:
+    """For a joint forward + backward graph (a training compile's, before AOTAutograd
+    partitions it): the backward's nodes (those that read an incoming gradient) and the
+    forward nodes computed only for them, as :func:`users` should not count them. None for
+    a graph without a backward."""
+    tangents = _tangents(graph)
+    if not tangents:
+        return None
+    backward = set(tangents)
+    for n in graph.nodes:
+        if n.op != "output" and any(i in backward for i in n.all_input_nodes):
+            backward.add(n)
+    return SavedValues(frozenset(), frozenset(backward | _feeding_only(graph, backward)),
+                       frozenset(backward))
+
+
+def recompute_in_backward(graph: Graph, values: SavedValues) -> int:
+    """Mark the forward nodes that a rewrite left computed only for the backward (a fused
+    site's chain, still read by its gradient formulas) to be recomputed there: the
+    partitioner then keeps them out of the forward, which runs the fused op alone.
+    Returns how many were marked."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    backward = set(values.backward) & set(graph.nodes)  # (some were erased by the rewrite)
+    new = _feeding_only(graph, backward) - values.backward_only
+    for n in new:
+        n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return len(new)
 
 
 @contextlib.contextmanager
 def saving(values: SavedValues) -> Iterator[None]:
     """Within: :func:`users` does not count reads that serve only the backward."""
-    token = _SAVED.set(tuple(values))
+    token = _SAVED.set(values)
     try:
         yield
     finally:
@@ -212,7 +262,7 @@ def saving(values: SavedValues) -> Iterator[None]:
 
 def users(node: Node) -> list[Node]:
     """``node``'s users, without those that serve only the backward (:func:`saving`)."""
-    saved, only = _SAVED.get()
+    saved, only, _ = _SAVED.get()
     if not saved and not only:
         return list(node.users)
     return [u for u in node.users

@@ -15,6 +15,7 @@ keeps fp32 where eager rounds, and default Inductor's mean ratio reaches 2.1).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -25,11 +26,12 @@ import k3fusion
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 from k3fusion.models.kimi_k3 import (count_attn_res_sites, count_latent_moe_layers,
                                      count_mla_layers)
+from k3fusion.pass_manager import K3JointPass
 from k3fusion.patterns._fx import only_user, saved_for_backward, saving, users
 
 from _kernel_paths import cpu_path
 from _tolerances import ulp
-from graph_utils import fresh_state  # noqa: F401
+from graph_utils import CaptureBackend, fresh_state, op_histogram  # noqa: F401
 from public_catalogue import NanochatBf16, NanogptRoundedScale
 
 pytestmark = [pytest.mark.usefixtures("fresh_state"),
@@ -146,6 +148,38 @@ def test_eval_call_without_no_grad_fuses_what_a_no_grad_call_fuses():
             exact = _logits(exact_model(*args))
     assert without_grad == with_grad == sites
     _within_output_rule(out.detach(), eager, exact)
+
+
+#: The ops that compute (not views or casts): a chain left in a training forward shows here.
+_COMPUTE = ("amax", "exp", "div", "sum", "mean", "rsqrt", "pow", "bmm", "mm", "add", "mul")
+
+
+def _compute_ops(graph) -> dict:
+    hist = op_histogram(graph)
+    out = {}
+    for op, n in hist.items():
+        name = str(op).split(".")[-2] if str(op).count(".") >= 2 else str(op)
+        if name in _COMPUTE or "k3fusion" in str(op):
+            out[name] = out.get(name, 0) + n
+    return out
+
+
+@pytest.mark.slow
+def test_a_training_forward_runs_the_fused_ops_alone():
+    """The joint-graph pass fuses before AOTAutograd partitions, and what the backward
+    still reads of a site's chain is recomputed there: the training forward computes
+    what the inference graph computes, no more (the post-grad pass alone would leave the
+    chains the backward reads in the forward, besides the fused ops)."""
+    model, args, sites = _tiny_k3(torch.bfloat16)
+    forwards = {}
+    for grad in (False, True):
+        torch._dynamo.reset()
+        be = CaptureBackend()
+        with torch._inductor.config.patch(joint_custom_pre_pass=K3JointPass()), \
+                (contextlib.nullcontext() if grad else torch.no_grad()), cpu_path("reference"):
+            torch.compile(model, backend=be)(*args)
+        forwards[grad] = _compute_ops(be.after[0])
+    assert forwards[True] == forwards[False], forwards
 
 
 # ------------------------------------------------------------------ training steps
