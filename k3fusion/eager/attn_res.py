@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from .. import ops, reference
+from ..patterns.attn_res import FUSION_NAME
 from ._guards import _records_grad, _Seen
 from ._norm_spec import CheckedSpec, rms_norm_spec
+from .patcher import Patcher
 
 
 def attn_res(
@@ -233,3 +235,7 @@ def patch_attn_res(name: str, module: nn.Module) -> list[tuple[str, str | None]]
             module.attn_res_handoff = True
             entries.append((key, None))
     return entries
+
+
+#: Tried on a module after the MoE tail's patcher, before the q/kv one.
+PATCHER = Patcher(FUSION_NAME, has_attn_res_step, patch_attn_res, order=1)

@@ -13,8 +13,10 @@ from torch import nn
 
 from ..config import get_config
 from ..moe_tail import _as_tier, run_latent_moe_tail
+from ..patterns.moe_tail import FUSION_NAME
 from ._guards import _records_grad
 from ._norm_spec import CheckedSpec, rms_norm_spec, why_not_standard
+from .patcher import Patcher
 
 
 class MoETailRunner(nn.Module):
@@ -142,6 +144,10 @@ def _swap_tail(module: nn.Module) -> str | None:
 def patch_moe_tail(name: str, module: nn.Module) -> list[tuple[str, str | None]]:
     """``[(report key, None if patched else why skipped)]`` for the module's ``tail``."""
     return [(f"{name}.tail" if name else "tail", _swap_tail(module))]
+
+
+#: Tried on a module first.
+PATCHER = Patcher(FUSION_NAME, is_latent_moe, patch_moe_tail, order=0)
 
 
 def moe_tail_runners(model: nn.Module) -> dict[str, MoETailRunner]:

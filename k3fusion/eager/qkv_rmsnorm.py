@@ -17,8 +17,10 @@ from torch import nn
 
 from .. import reference
 from ..ops import check_rms_norm_args
+from ..patterns.qkv_rmsnorm import FUSION_NAME
 from ._guards import _records_grad, _Seen
 from ._norm_spec import CheckedSpec, rms_norm_spec, why_not_standard
+from .patcher import Patcher
 
 log = logging.getLogger("k3fusion")
 
@@ -244,3 +246,7 @@ def patch_qkv_rmsnorm(name: str, module: nn.Module) -> list[tuple[str, str | Non
             return [(_path(name, child), why)]
     _QKVPrefetch(module).install()
     return [(name, None)]
+
+
+#: Tried on a module last.
+PATCHER = Patcher(FUSION_NAME, has_qkv_norms, patch_qkv_rmsnorm, order=2)
