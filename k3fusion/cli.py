@@ -25,10 +25,13 @@ import torch
 
 import k3fusion
 from k3fusion.bench.timing import cuda_graph_us
-from k3fusion.counters import FUSIONS
 from k3fusion.explain import explain
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 from k3fusion.models.kimi_k3 import ATTN_RES_BANKS, NORM_STYLES, count_latent_moe_layers
+from k3fusion.patterns.attn_res import FUSION as ATTN_RES, HANDOFF_NAME
+from k3fusion.patterns.moe_tail import FUSION as MOE_TAIL
+from k3fusion.patterns.qkv_rmsnorm import FUSION as QKV_RMSNORM
+from k3fusion.patterns.registry import COUNT_NAMES, FUSIONS
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Max |compiled - eager| / max|eager| a correct compile stays under: a few roundings
@@ -193,14 +196,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     progress("done")
 
     tol = _REL_TOL[dtype]
-    # A row for each fusion the model has sites for (a model without AttnRes has no
-    # attn_res row, a dense one no moe_tail row).
-    sites = {"qkv_rmsnorm": model.mla_layers, "attn_res": model.attn_res_sites,
+    # The model's sites per match_counts() key; a row for each key it has sites for (a
+    # model without AttnRes has no attn_res row, a dense one no moe_tail row).
+    sites = {QKV_RMSNORM.name: model.mla_layers, ATTN_RES.name: model.attn_res_sites,
              # each layer's closing prefix + mlp_out, folded into the next site
-             "attn_res_delta_handoff": config.num_layers if config.attn_res else 0,
-             "moe_tail": count_latent_moe_layers(model)}  # one tail per latent-MoE layer
+             HANDOFF_NAME: config.num_layers if config.attn_res else 0,
+             MOE_TAIL.name: count_latent_moe_layers(model)}  # one tail per latent-MoE layer
     fusions = [{"fusion": name, "sites": sites[name], "matches": counts[name]}
-               for name in FUSIONS if sites[name]]
+               for name in COUNT_NAMES if sites.get(name)]
     errors = {"inductor": _max_rel_err(default_out, eager_out),
               "k3fusion": _max_rel_err(fused_out, eager_out)}
     ok = all(f["matches"] == f["sites"] for f in fusions) and all(e <= tol for e in errors.values())
@@ -242,10 +245,11 @@ def _print_table(report: dict[str, Any]) -> None:
 
 
 #: ``python -m k3fusion bench`` runs these, in this order: {name: module under k3fusion.bench}.
-BENCHES = {"qkv_rmsnorm": "qkv_rmsnorm", "attn_res": "attn_res", "moe_tail": "moe_tail",
-           "decoder": "decoder"}
-#: The benchmarks that time peer kernels (``--peers DIR``): one per op of ``bench.peers.OPS``.
-PEER_BENCHES = ("qkv_rmsnorm", "attn_res", "moe_tail")
+#: Each fusion's benchmark is named as the fusion; the decoder step comes last.
+BENCHES = {**{f.name: f.name for f in FUSIONS}, "decoder": "decoder"}
+#: The benchmarks that time peer kernels (``--peers DIR``): the fusions' own, one per op of
+#: ``bench.peers.OPS``.
+PEER_BENCHES = tuple(f.name for f in FUSIONS)
 
 
 def _bench_names(text: str) -> list[str]:

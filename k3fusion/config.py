@@ -86,8 +86,9 @@ class FusionConfig:
     #: Rows handled by one program of the dual RMSNorm kernel; 0 picks by size. A power of
     #: two whose tile (times the wider norm's width) fits in Triton's largest block.
     dual_norm_rows_per_program: int = 0
-    #: Latent-MoE tail: run the tiered tail (eager runner, and the graph pass when it
-    #: lands); False runs the plain replicated tail everywhere.
+    #: Latent-MoE tail: the graph pass fuses it into ``latent_moe_tail``, and that op and
+    #: the eager runner pick a tier per call; False leaves the tail unfused and runs the
+    #: plain replicated tail everywhere.
     moe_tail: bool = True
     #: TAIL_FUSION tier for 0 < tokens <= this, where a fused-tail implementation supports
     #: the platform and its own measured limit admits T (``TailFusionImpl.select_max_tokens``

@@ -6,8 +6,9 @@ caches and adds it back when it serves the graph from its FX graph cache (also t
 the AOTAutograd cache, in memory or on disk, in another process), so a warm compile,
 which runs no custom pass, counts the same matches as the cold one.
 
-Rule: :func:`match_counts` has a key for every fusion k3fusion has (:data:`FUSIONS`), 0
-when nothing matched since the reset (or the fusion is switched off).
+Rule: :func:`match_counts` has a key for every count a fusion of ``patterns.registry``
+keeps (:data:`FUSIONS`, in the registry's order), 0 when nothing matched since the reset
+(or the fusion is switched off).
 
 A reset stores the current totals as a baseline next to them (keys
 ``k3fusion.reset_at.<fusion>``), so clearing the torch counters (``counters.clear()``,
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .patterns.registry import COUNT_NAMES
+
 __all__ = ["FUSIONS", "match_counts", "reset_match_counts", "record_matches"]
 
-#: Every fusion's name, as ``match_counts()`` keys it (the patterns' ``FUSION_NAME``s).
-FUSIONS = ("qkv_rmsnorm", "attn_res", "attn_res_delta_handoff", "moe_tail")
+#: Every ``match_counts()`` key: the registry's fusions and the sub-counts they keep.
+FUSIONS = COUNT_NAMES
 
 _COUNT_KEY = "k3fusion.{}"
 _BASELINE_KEY = "k3fusion.reset_at.{}"

@@ -23,15 +23,14 @@ from .config import overridden
 from .counters import match_counts, reset_match_counts
 from .pass_manager import K3FusionPass
 from .patterns._fx import NoMatch
+from .patterns.registry import claim_order
 from .patterns.rms_norm import inverse_rms
 
 __all__ = ["Candidate", "Explanation", "explain"]
 
-#: debug log line -> (what the candidate is, its anchor node's name, the reason)
-_LINES = [
-    (re.compile(r"^AttnRes site not fused: softmax (\S+): (.*)$"), "AttnRes step (softmax)"),
-    (re.compile(r"^MoE-tail site not fused: (?:\S+ )?(\S+?):? (.*)$"), "MoE tail"),
-    (re.compile(r"^RMSNorm (\S+) \(x=\S+\) not fused: (.*)$"), "RMSNorm"),
+#: debug log line -> (what the candidate is, its anchor node's name, the reason): each
+#: fusion's miss lines, then the rsqrt ops the norm recognizer refused.
+_LINES = [(f.miss_line, f.miss_kind) for f in claim_order()] + [
     (re.compile(r"^rsqrt (\S+) not recognized as RMSNorm: (.*)$"), "rsqrt"),
 ]
 

@@ -1,9 +1,10 @@
 """The post-grad pass that runs every k3fusion fusion, as an Inductor ``CustomGraphPass``.
 
 Order: recognize all RMSNorms once (``patterns.rms_norm``), then let each enabled fusion
-claim what it matches, by the priority in docs/architecture.md ("Claims between
-fusions"). Norms no fusion claims stay the aten ops they were. A fusion that fails on a
-graph (a bug) leaves the graph as it was, with a warning: k3fusion never fails a compile.
+of ``patterns.registry`` claim what it matches, by its claim priority (docs/architecture.md,
+"Claims between fusions"). Norms no fusion claims stay the aten ops they were. A fusion
+that fails on a graph (a bug) leaves the graph as it was, with a warning: k3fusion never
+fails a compile.
 
 ``uuid()`` hashes the pattern sources, the op registry, the config and the torch version,
 so Inductor's FX graph cache never serves a graph compiled under other rules.
@@ -19,16 +20,18 @@ from pathlib import Path
 import torch
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
 from . import patterns
 from .config import FusionConfig, get_config
 from .counters import record_matches
-from .patterns.attn_res import FUSION_NAME as ATTN_RES, HANDOFF_NAME, fuse_attn_res
-from .patterns.moe_tail import FUSION_NAME as MOE_TAIL, fuse_moe_tail
+# fuse_attn_res stays importable here: tests/test_compile_never_fails.py patches it in
+# this module (the registry's FUSION.run reaches it through patterns.attn_res).
+from .patterns.attn_res import fuse_attn_res  # noqa: F401
 from .patterns._fx import (CHANGE_HOOK, SavedValues, is_backward_graph, joint_backward_values,
                            recompute_in_backward, restore, saved_for_backward, saving, snapshot)
-from .patterns.qkv_rmsnorm import FUSION_NAME as QKV, fuse_qkv_rmsnorm, pair_qkv_norms
+from .patterns.fusion import Fusion
+from .patterns.registry import claim_order
 from .patterns.rms_norm import find_rms_norms
 
 __all__ = ["K3FusionPass", "K3JointPass", "ComposedPass", "compose_with"]
@@ -61,6 +64,21 @@ def _source_digest() -> str:
         h.update(f.name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()
+
+
+def _claim_steps(config: FusionConfig) -> list[tuple[Fusion, bool]]:
+    """``(fusion, reserves)`` in the order of their priorities: every fusion's claim (one
+    switched off may still explain the norms that reach its turn), and an enabled fusion's
+    reservation where another enabled fusion claims between it and the owner's claim (a
+    reservation only matters to those)."""
+    on = [f for f in claim_order() if getattr(config, f.switch)]
+    steps = [(f.claim_priority, f, False) for f in claim_order()]
+    for f in on:
+        r = f.reservation
+        if r is not None and any(r.priority < g.claim_priority < f.claim_priority
+                                 for g in on if g is not f):
+            steps.append((r.priority, f, True))
+    return [(f, reserves) for _, f, reserves in sorted(steps, key=lambda s: s[0])]
 
 
 class K3FusionPass(CustomGraphPass):
@@ -114,29 +132,22 @@ class K3FusionPass(CustomGraphPass):
         config = self.config
         counts: dict[str, int] = {}
         misses: list[str] = []
-        tail_misses: list[str] = []
         norms, rejected = find_rms_norms(graph)
         recognized = len(norms)
-        # Claims between fusions (docs/architecture.md): AttnRes first (its key norms and
-        # the output norm after it); then the q/kv pairs that follow the projection
-        # structure are reserved; the latent-MoE tail takes its latent norm from what is
-        # left; the q/kv pass pairs what remains last.
-        if config.attn_res:
-            counts[ATTN_RES], handoffs, norms, misses = fuse_attn_res(graph, norms)
-            if handoffs:  # a layer's closing add folded into the next site
-                counts[HANDOFF_NAME] = handoffs
-        if config.moe_tail:
-            reserved = (pair_qkv_norms(graph, norms).strong_members() if config.qkv_rmsnorm
-                        else set())
-            n_tail, open_norms, tail_misses = fuse_moe_tail(
-                graph, [m for m in norms if m.out not in reserved])
-            kept = {m.out for m in open_norms} | reserved
-            norms = [m for m in norms if m.out in kept]
-            if n_tail:  # counted where a graph has tails (dense models report no key)
-                counts[MOE_TAIL] = n_tail
-        left = [(m, "qkv_rmsnorm is disabled (K3FUSION_QKV_RMSNORM=0)") for m in norms]
-        if config.qkv_rmsnorm:
-            counts[QKV], left = fuse_qkv_rmsnorm(graph, norms)
+        reserved: dict[str, set[Node]] = {}  # fusion -> the norms it holds until its turn
+        for fusion, reserves in _claim_steps(config):
+            if reserves:
+                reserved[fusion.name] = fusion.reservation.take(graph, norms)
+            elif not getattr(config, fusion.switch):
+                if fusion.when_off is not None:
+                    misses += fusion.when_off(norms)
+            else:
+                held = set().union(*(r for name, r in reserved.items() if name != fusion.name))
+                result = fusion.run(graph, [m for m in norms if m.out not in held])
+                reserved.pop(fusion.name, None)
+                counts.update(result.counts)
+                misses += result.misses
+                norms = [m for m in norms if m.out not in result.claimed]
         graph.lint()
         # Recorded in torch's inductor counters, which Inductor saves with a cached graph
         # and replays on a cache hit (k3fusion.counters); only once the graph is final.
@@ -145,14 +156,10 @@ class K3FusionPass(CustomGraphPass):
 
         log.info("%s; %d RMSNorms recognized, %d left unfused",
                  ", ".join(f"{k} {v} matches" for k, v in counts.items()) or "no fusion enabled",
-                 recognized, len(left))
+                 recognized, len(norms))
         if config.debug:
             for miss in misses:
-                log.info("AttnRes site not fused: %s", miss)
-            for miss in tail_misses:
-                log.info("MoE-tail site not fused: %s", miss)
-            for norm, why in left:
-                log.info("RMSNorm %s (x=%s) not fused: %s", norm.out.name, norm.x.name, why)
+                log.info("%s", miss)
             for r in rejected:
                 log.info("rsqrt %s not recognized as RMSNorm: %s", r.anchor.name, r.reason)
 

@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["cdiv", "interpreter_enabled", "check_launchable", "launch_scratch",
-           "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait"]
+__all__ = ["cdiv", "interpreter_enabled", "kernels_are_interpreted", "check_launchable",
+           "launch_scratch", "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait"]
 
 try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -67,7 +67,7 @@ def _interpret_flag() -> bool:
 _INTERPRETED_AT_IMPORT = _interpret_flag()
 
 
-def _kernels_are_interpreted() -> bool:
+def kernels_are_interpreted() -> bool:
     return _INTERPRETED_AT_IMPORT
 
 
@@ -79,7 +79,7 @@ def check_launchable(*tensors: torch.Tensor) -> None:
     (device,) = devices
     if device.type == "cuda":
         return
-    if device.type == "cpu" and _kernels_are_interpreted():
+    if device.type == "cpu" and kernels_are_interpreted():
         return
     if device.type == "cpu" and interpreter_enabled():
         raise RuntimeError(

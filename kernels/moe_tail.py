@@ -28,7 +28,7 @@ import triton.language as tl
 from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
-from ._launch import (TL_DTYPES, _kernels_are_interpreted, cdiv, launch_scratch,
+from ._launch import (TL_DTYPES, kernels_are_interpreted, cdiv, launch_scratch,
                       gdc_launch_dependents, gdc_wait, interpreter_enabled, on_tensor_device)
 from .rms_norm import rms_norm
 
@@ -487,7 +487,7 @@ def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp
         raise ValueError(f"routed_latent has T={tokens} rows; the fused tail kernel takes at "
                          f"most {max_tokens} (more with block_m: row tiles)")
     device = routed_latent.device
-    if device.type == "cuda" or (device.type == "cpu" and _kernels_are_interpreted()):
+    if device.type == "cuda" or (device.type == "cpu" and kernels_are_interpreted()):
         return
     if device.type == "cpu" and interpreter_enabled():
         raise RuntimeError("TRITON_INTERPRET=1 was set after k3fusion.kernels.moe_tail was "

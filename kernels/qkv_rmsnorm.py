@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, check_launchable, on_tensor_device
-from .rms_norm import _rms_norm_rows
+from .rms_norm import rms_norm_rows
 
 __all__ = ["dual_rms_norm", "pick_launch_shape", "LaunchShape"]
 
@@ -46,13 +46,13 @@ def _dual_rms_norm_kernel(
     # program's tile is about the same size (ROWS2 = ROWS1 * BLOCK_COLS1 / BLOCK_COLS2).
     pid = tl.program_id(0)
     if pid < n_programs1:
-        _rms_norm_rows(x1_ptr, w1_ptr, y1_ptr, pid * ROWS1, n_rows1, x1_row_stride,
-                       y1_row_stride, n_cols1, eps1, BLOCK_COLS1, ROWS1, WEIGHT_IN_FP32_1,
-                       x1_ptr.dtype.element_ty)
+        rms_norm_rows(x1_ptr, w1_ptr, y1_ptr, pid * ROWS1, n_rows1, x1_row_stride,
+                      y1_row_stride, n_cols1, eps1, BLOCK_COLS1, ROWS1, WEIGHT_IN_FP32_1,
+                      x1_ptr.dtype.element_ty)
     else:
-        _rms_norm_rows(x2_ptr, w2_ptr, y2_ptr, (pid - n_programs1) * ROWS2, n_rows2,
-                       x2_row_stride, y2_row_stride, n_cols2, eps2, BLOCK_COLS2, ROWS2,
-                       WEIGHT_IN_FP32_2, x2_ptr.dtype.element_ty)
+        rms_norm_rows(x2_ptr, w2_ptr, y2_ptr, (pid - n_programs1) * ROWS2, n_rows2,
+                      x2_row_stride, y2_row_stride, n_cols2, eps2, BLOCK_COLS2, ROWS2,
+                      WEIGHT_IN_FP32_2, x2_ptr.dtype.element_ty)
 
 
 @dataclass(frozen=True)

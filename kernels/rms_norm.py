@@ -22,11 +22,11 @@ import triton.language as tl
 
 from ._launch import TL_DTYPES, cdiv, check_launchable, gdc_launch_dependents, on_tensor_device
 
-__all__ = ["rms_norm", "pick_launch_shape"]
+__all__ = ["rms_norm", "rms_norm_rows", "pick_launch_shape"]
 
 
 @triton.jit
-def _rms_norm_rows(
+def rms_norm_rows(
     x_ptr,
     w_ptr,
     y_ptr,
@@ -91,8 +91,8 @@ def _rms_norm_kernel(
     pid = tl.program_id(0)
     n_norm = tl.cdiv(n_rows, ROWS)
     if pid < n_norm:
-        _rms_norm_rows(x_ptr, w_ptr, y_ptr, pid * ROWS, n_rows, x_row_stride,
-                       y_row_stride, n_cols, eps, BLOCK_COLS, ROWS, WEIGHT_IN_FP32, ROUND_DTYPE)
+        rms_norm_rows(x_ptr, w_ptr, y_ptr, pid * ROWS, n_rows, x_row_stride,
+                      y_row_stride, n_cols, eps, BLOCK_COLS, ROWS, WEIGHT_IN_FP32, ROUND_DTYPE)
     elif COPY:
         rows = (pid - n_norm) * COPY_ROWS + tl.arange(0, COPY_ROWS)
         rows64 = rows.to(tl.int64)

@@ -22,6 +22,7 @@ docs/design-notes.md, "patterns/attn_res.py".
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -33,11 +34,12 @@ from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, dep
                   insert_call, is_graph_input, is_op, keepdim_of, slice_args, matmul_operands,
                   only_user, operands, plan_size_reads, prims, same_size, strip_casts, users,
                   val)
+from .fusion import Fusion, FusionResult
 from .rms_norm import (RMSNormMatch, derived_from_input, eps_op_args, inverse_rms,
                        parameter_weight, same_input, upcast_input)
 
-__all__ = ["FUSION_NAME", "HANDOFF_NAME", "AttnResSite", "match_attn_res", "fuse_attn_res",
-           "count_handoffs"]
+__all__ = ["FUSION", "FUSION_NAME", "HANDOFF_NAME", "AttnResSite", "match_attn_res",
+           "fuse_attn_res", "count_handoffs"]
 
 FUSION_NAME = "attn_res"
 #: Folds of a layer's closing ``prefix + mlp_out`` into the next site (a sub-count of the
@@ -902,10 +904,18 @@ def _rewrite(graph: Graph, plan: _Rewrite, stacks: _BlockStacks) -> Node:
     return node
 
 
-def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]
-                  ) -> tuple[int, int, list[RMSNormMatch], list[str]]:
-    """Replace every AttnRes site; returns (sites fused, layer hand-offs among their
-    folded deltas -- see :func:`count_handoffs` --, norms still unclaimed, misses)."""
+def _miss(div: Node, why: str) -> str:
+    """The debug log's line for a softmax left alone (read back by :data:`MISS_LINE`)."""
+    return f"AttnRes site not fused: softmax {div.name}: {why}"
+
+
+MISS_LINE = re.compile(r"^AttnRes site not fused: softmax (\S+): (.*)$")
+
+
+def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]) -> FusionResult:
+    """Replace every AttnRes site. Counts the sites fused and, when there are any, the
+    layer hand-offs among their folded deltas (:data:`HANDOFF_NAME`, see
+    :func:`count_handoffs`); claims each site's key norm and output norm."""
     claimed: set[Node] = set()
     # (a norm whose fp32 input lost its 16-bit round trip, x_round, folds only into a site
     # whose mix lost it: _plan)
@@ -918,25 +928,26 @@ def fuse_attn_res(graph: Graph, norms: list[RMSNormMatch]
             site = match_attn_res(div)
         except NoMatch as e:
             if is_op(div.args[0], aten.exp.default):  # a softmax: say why it is not a site
-                misses.append(f"softmax {div.name}: {e}")
+                misses.append(_miss(div, str(e)))
             continue
         except Exception as e:  # noqa: BLE001  a form the matcher did not foresee: a miss,
             # never a failed compile (matching only reads the graph)
-            misses.append(f"softmax {div.name}: not understood ({type(e).__name__}: {e})")
+            misses.append(_miss(div, f"not understood ({type(e).__name__}: {e})"))
             continue
         try:
             plan = _plan(graph, site, by_input, claimed)
             node = _rewrite(graph, plan, stacks)
         except NoMatch as e:
-            misses.append(f"softmax {div.name}: {e}")
+            misses.append(_miss(div, str(e)))
             sites[site.mixed] = None  # still a site of the chain (untouched, no fold)
             continue
         sites[node] = plan.delta
         claimed |= plan.erase  # the key norm and the output norm are part of the site now
         fused += 1
     handoffs = count_handoffs(graph, sites) if fused else 0
-    left = [m for m in norms if m.out not in claimed]
-    return fused, handoffs, left, misses
+    counts = {FUSION_NAME: fused, **({HANDOFF_NAME: handoffs} if handoffs else {})}
+    return FusionResult(counts, frozenset(m.out for m in norms if m.out in claimed),
+                        tuple(misses))
 
 
 def _longest_chains(graph: Graph, sites) -> tuple[dict[Node, int], dict[Node, int], dict[Node, int]]:
@@ -987,3 +998,10 @@ def count_handoffs(graph: Graph, sites: dict[Node, Node | None]) -> int:
                 and reach.get(delta) == depth):
             n += 1
     return n
+
+
+#: AttnRes claims first (docs/architecture.md, "Claims between fusions"): its key norms
+#: and the output norm that reads its mix are part of the site.
+FUSION = Fusion(name=FUSION_NAME, switch="attn_res", claim_priority=10, run=fuse_attn_res,
+                count_names=(FUSION_NAME, HANDOFF_NAME), miss_kind="AttnRes step (softmax)",
+                miss_line=MISS_LINE)

@@ -16,6 +16,7 @@ docs/design-notes.md, "patterns/moe_tail.py".
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -26,9 +27,10 @@ import k3fusion.moe_tail  # noqa: F401  registers torch.ops.k3fusion.latent_moe_
 from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on,
                   erase_unused, external_users, fake_call, insert_call, is_graph_input, is_op,
                   plan_size_reads, through_row_padding, val)
+from .fusion import Fusion, FusionResult
 from .rms_norm import RMSNormMatch, eps_op_args
 
-__all__ = ["FUSION_NAME", "MoETailSite", "match_moe_tail", "fuse_moe_tail"]
+__all__ = ["FUSION", "FUSION_NAME", "MoETailSite", "match_moe_tail", "fuse_moe_tail"]
 
 FUSION_NAME = "moe_tail"
 
@@ -223,8 +225,17 @@ def _plan(site: MoETailSite) -> list:
     return size_reads
 
 
-def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RMSNormMatch], list[str]]:
-    """Replace every latent-MoE tail; returns (sites fused, norms still unclaimed, misses)."""
+def _miss(anchor: Node, why: str) -> str:
+    """The debug log's line for a tail left alone (read back by :data:`MISS_LINE`)."""
+    return f"MoE-tail site not fused: {anchor.name}: {why}"
+
+
+MISS_LINE = re.compile(r"^MoE-tail site not fused: (?:\S+ )?(\S+?):? (.*)$")
+
+
+def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> FusionResult:
+    """Replace every latent-MoE tail; claims each tail's latent norm. Counted only where
+    the graph has a tail fused (a dense model reports no key)."""
     by_out = {m.out: m for m in norms}
     claimed: set[Node] = set()
     fused, misses = 0, []
@@ -237,7 +248,7 @@ def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
             size_reads = _plan(site)
         except NoMatch as e:
             if "no operand is an up-projection" not in str(e):
-                misses.append(f"{anchor.name}: {e}")
+                misses.append(_miss(anchor, str(e)))
             continue
         try:
             with all_or_nothing(graph), graph.inserting_before(site.anchor):
@@ -247,7 +258,7 @@ def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
                 node = insert_call(graph, torch.ops.k3fusion.latent_moe_tail.default,
                                    _op_args(site, shared))
         except NoMatch as e:
-            misses.append(f"{anchor.name}: {e}")
+            misses.append(_miss(anchor, str(e)))
             continue
         site.anchor.replace_all_uses_with(node)
         apply_size_reads(size_reads)
@@ -255,5 +266,11 @@ def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[RM
         claimed.add(site.norm.out)
         by_out.pop(site.norm.out, None)
         fused += 1
-    left = [m for m in norms if m.out not in claimed]
-    return fused, left, misses
+    return FusionResult({FUSION_NAME: fused} if fused else {}, frozenset(claimed), tuple(misses))
+
+
+#: The tail claims after AttnRes and after the q/kv pass has reserved its strong pairs
+#: (docs/architecture.md, "Claims between fusions"): a norm that forms a q/kv pair is
+#: never a tail's latent norm.
+FUSION = Fusion(name=FUSION_NAME, switch="moe_tail", claim_priority=30, run=fuse_moe_tail,
+                count_names=(FUSION_NAME,), miss_kind="MoE tail", miss_line=MISS_LINE)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -29,13 +30,16 @@ import torch
 from torch.fx import Graph, Node
 
 import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the op this pass inserts)
+from k3fusion.config import env_name
+
 from ._fx import (VIEW_OPS, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on,
                   erase_unused, fake_call, hoist_before, insert_call, is_op, matmul_operands,
                   plan_size_reads, row_padded, slice_args, users, val)
+from .fusion import Fusion, FusionResult, Reservation
 from .rms_norm import RMSNormMatch, eps_op_args
 
-__all__ = ["FUSION_NAME", "REGION_INPUTS", "STRONG", "pairing_source", "pair_qkv_norms",
-           "fuse_qkv_rmsnorm"]
+__all__ = ["FUSION", "FUSION_NAME", "REGION_INPUTS", "STRONG", "pairing_source",
+           "pair_qkv_norms", "fuse_qkv_rmsnorm"]
 
 FUSION_NAME = "qkv_rmsnorm"
 
@@ -253,16 +257,44 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
     erase_unused(graph, a.nodes + b.nodes + copies)
 
 
-def fuse_qkv_rmsnorm(graph: Graph, norms: list[RMSNormMatch]) -> tuple[int, list[tuple[RMSNormMatch, str]]]:
-    """Replace every q/kv pair among ``norms``; returns (pairs fused, norms left and why)."""
+def _miss(norm: RMSNormMatch, why: str) -> str:
+    """The debug log's line for a norm left unfused (read back by :data:`MISS_LINE`)."""
+    return f"RMSNorm {norm.out.name} (x={norm.x.name}) not fused: {why}"
+
+
+MISS_LINE = re.compile(r"^RMSNorm (\S+) \(x=\S+\) not fused: (.*)$")
+
+
+def fuse_qkv_rmsnorm(graph: Graph, norms: list[RMSNormMatch]) -> FusionResult:
+    """Replace every q/kv pair among ``norms``; every norm left has a miss line saying why."""
     rounded = [(m, "fp32 input with a dropped 16-bit round trip (x_round): the pair kernel "
                    "reads the model dtype") for m in norms if m.x_round is not None]
     pairing = pair_qkv_norms(graph, [m for m in norms if m.x_round is None])
-    fused, unpaired = 0, rounded + list(pairing.unpaired)
+    fused, unpaired, claimed = 0, rounded + list(pairing.unpaired), set()
     for a, b, _ in pairing.pairs:
         try:
             _replace_pair(graph, a, b)
             fused += 1
+            claimed |= {a.out, b.out}
         except NoMatch as e:  # raised before the graph is touched
             unpaired += [(a, str(e)), (b, str(e))]
-    return fused, unpaired
+    return FusionResult({FUSION_NAME: fused}, frozenset(claimed),
+                        tuple(_miss(m, why) for m, why in unpaired))
+
+
+def _strong_pairs(graph: Graph, norms: list[RMSNormMatch]) -> set[Node]:
+    return pair_qkv_norms(graph, norms).strong_members()
+
+
+def _switched_off(norms: list[RMSNormMatch]) -> tuple[str, ...]:
+    why = f"{FUSION_NAME} is disabled ({env_name(FUSION.switch)}=0)"
+    return tuple(_miss(m, why) for m in norms)
+
+
+#: The q/kv pass claims last, and pairs what is left (norms of region inputs, the weakest
+#: evidence, only then); but the pairs that follow the projection structure are reserved
+#: before the MoE tail claims (docs/architecture.md, "Claims between fusions").
+FUSION = Fusion(name=FUSION_NAME, switch="qkv_rmsnorm", claim_priority=40,
+                run=fuse_qkv_rmsnorm, count_names=(FUSION_NAME,), miss_kind="RMSNorm",
+                miss_line=MISS_LINE, reservation=Reservation(20, _strong_pairs),
+                when_off=_switched_off)

@@ -32,7 +32,7 @@ from _ptx import hopper_ptx
 from _tolerances import (assert_close_ulps, assert_matches_reference, dual_norm_tolerance,
                          ulp)
 from k3fusion import reference
-from k3fusion.kernels._launch import _kernels_are_interpreted
+from k3fusion.kernels._launch import kernels_are_interpreted
 from k3fusion.kernels.attn_res import (
     DECODE_SOURCES_PER_TILE, EARLY_TILE_MAX_TOKENS, PREFILL_SOURCES_PER_TILE,
     PREFILL_TOKENS, PREFILL_LOOP_STAGES,
@@ -430,7 +430,7 @@ def test_kernel_matches_reference(c: Case, seed: int) -> None:
 def test_kernels_are_interpreted_on_cpu() -> None:
     if DEVICE == "cuda":
         pytest.skip("compiled kernels on a CUDA machine")
-    assert _kernels_are_interpreted()
+    assert kernels_are_interpreted()
 
 
 def test_num_blocks_is_a_runtime_argument() -> None:

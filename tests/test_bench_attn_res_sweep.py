@@ -10,7 +10,7 @@ import json
 import pytest
 
 from k3fusion.bench import attn_res_sweep as sweep
-from k3fusion.kernels._launch import _kernels_are_interpreted
+from k3fusion.kernels._launch import kernels_are_interpreted
 
 
 def test_candidates_cover_the_kernels_forms() -> None:
@@ -36,7 +36,7 @@ def test_estimate_fits_one_device_call() -> None:
     assert plan["estimated_timing_s"] < 300, plan
 
 
-@pytest.mark.skipif(not _kernels_are_interpreted(), reason="the dry run is the CPU form")
+@pytest.mark.skipif(not kernels_are_interpreted(), reason="the dry run is the CPU form")
 def test_dry_run(tmp_path, capsys) -> None:
     assert sweep.main(["--dry-run", "--out", str(tmp_path), "--num-blocks", "0", "5"]) == 0
     result = json.loads((tmp_path / "attn_res_sweep.json").read_text())
@@ -62,7 +62,7 @@ def test_check_flags_a_wrong_variant(monkeypatch) -> None:
 
     args = sweep.make_inputs(2, 40, "cpu", seed=3)
     ref = sweep.reference_step(args, 4)
-    interpreted = _kernels_are_interpreted()
+    interpreted = kernels_are_interpreted()
     good = sweep.check(args, 4, {"kind": "row", "sources_per_tile": 2}, ref,
                        interpreted=interpreted)
     assert good["ok"], good
@@ -75,7 +75,7 @@ def test_check_flags_a_wrong_variant(monkeypatch) -> None:
     assert torch.isfinite(torch.tensor(bad["out_ulps"]))
 
 
-@pytest.mark.skipif(not _kernels_are_interpreted(), reason="the CPU form of the pool")
+@pytest.mark.skipif(not kernels_are_interpreted(), reason="the CPU form of the pool")
 def test_precompile_pool_runs_its_tasks_in_workers() -> None:
     """The worker pool (spawned processes; what fills the caches before the GPU sweep)
     runs a task and reports no error; a task past the timeout is reported, not waited on."""
@@ -104,7 +104,7 @@ def test_chosen_only_times_the_choice_the_previous_default_and_the_public_form()
     assert plan["estimated_timing_s"] < 60, plan
 
 
-@pytest.mark.skipif(not _kernels_are_interpreted(), reason="the dry run is the CPU form")
+@pytest.mark.skipif(not kernels_are_interpreted(), reason="the dry run is the CPU form")
 def test_dry_run_chosen_only(tmp_path, capsys) -> None:
     assert sweep.main(["--dry-run", "--chosen-only", "--out", str(tmp_path), "--num-blocks",
                        "5", "--tokens", "1", "--inductor-blocks", "4"]) == 0

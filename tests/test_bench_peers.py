@@ -15,7 +15,7 @@ import torch
 
 from k3fusion.bench import attn_res, moe_tail, peers, qkv_rmsnorm
 from k3fusion.bench.common import write_results
-from k3fusion.kernels._launch import _kernels_are_interpreted
+from k3fusion.kernels._launch import kernels_are_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,7 +176,7 @@ def make(inputs, point):
     assert "does not match the reference" in cells["no_shared"]["failed_check"]
 
 
-@pytest.mark.skipif(not _kernels_are_interpreted(), reason="the sweep's dry run is the CPU form")
+@pytest.mark.skipif(not kernels_are_interpreted(), reason="the sweep's dry run is the CPU form")
 def test_attn_res_sweep_dry_run_with_peers(tmp_path, capsys):
     from k3fusion.bench import attn_res_sweep as sweep
 

@@ -8,6 +8,9 @@
 * No import circle among the project's modules (``k3fusion``, ``k3fusion.kernels``,
   ``k3fusion.patterns``, bench included), from their module-level imports; imports inside
   functions are not followed.
+* One list of fusions (issue 32): no list, tuple, set or dict in library code names two
+  fusions (their ``match_counts()`` names) but ``patterns/registry.py`` and a fusion's own
+  modules; every other place listing fusions iterates the registry.
 
 Library code: ``k3fusion/**/*.py`` except ``k3fusion/bench/`` (the benchmarks print and
 document timings, so only the docstring rule covers them), ``patterns/*.py`` and
@@ -300,3 +303,74 @@ def test_local_project_import_check_flags_an_unexplained_one():
                          ids=_rel)
 def test_project_imports_are_at_the_top_unless_a_comment_says_why(path):
     assert not project_imports_inside_functions(path.read_text()), _rel(path)
+
+
+# ----------------------------------------------------------------------------- one list of fusions
+
+#: Where fusion names may be listed: the registry (a fusion's own modules, named as the
+#: fusion, may name it and its sub-counts too).
+FUSION_LIST_HOME = "patterns/registry.py"
+
+
+def fusion_names() -> set[str]:
+    """Every ``match_counts()`` name, read from the patterns' ``FUSION_NAME`` /
+    ``HANDOFF_NAME`` constants (statically: the rule must read code that has no registry)."""
+    names = set()
+    for path in (ROOT / "patterns").glob("*.py"):
+        for s in ast.parse(path.read_text()).body:
+            if (isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant)
+                    and any(isinstance(t, ast.Name) and t.id in ("FUSION_NAME", "HANDOFF_NAME")
+                            for t in s.targets)):
+                names.add(s.value.value)
+    return names
+
+
+_DISPLAYS = (ast.List, ast.Tuple, ast.Set, ast.Dict)
+
+
+def fusion_lists(source: str, names: set[str]) -> list[tuple[int, list[str]]]:
+    """``(line, names)`` of each outermost list / tuple / set / dict display (nested ones
+    included in it) whose string constants name two fusions or more; ``__all__`` is no
+    list of fusions (a function may be named as one)."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return
+        if isinstance(node, _DISPLAYS):
+            named = sorted({n.value for n in ast.walk(node)
+                            if isinstance(n, ast.Constant) and n.value in names})
+            if len(named) >= 2:
+                found.append((node.lineno, named))
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def test_fusion_names_are_read_from_the_patterns():
+    assert fusion_names() == {"qkv_rmsnorm", "attn_res", "attn_res_delta_handoff", "moe_tail"}
+
+
+def test_fusion_list_check_flags_a_second_list():
+    names = {"a", "b"}
+    assert fusion_lists('X = {"a": 1, "b": 2}\n', names) == [(1, ["a", "b"])]
+    assert fusion_lists('X = ((\n    "a", f), ("b", g))\n', names) == [(1, ["a", "b"])]
+    assert fusion_lists('__all__ = ["a", "b"]\nY = ("a", "c")\nf(x="a", y="b")\n', names) == []
+
+
+def test_no_second_list_of_fusions_in_library_code():
+    names = fusion_names()
+    found = {}
+    for p in library_files():
+        rel = _rel(p)
+        if rel == FUSION_LIST_HOME or p.stem in names:
+            continue
+        hits = fusion_lists(p.read_text(), names)
+        if hits:
+            found[rel] = hits
+    assert not found, (f"lists of fusion names outside {FUSION_LIST_HOME} (iterate "
+                       f"patterns.registry.FUSIONS instead): {found}")

@@ -22,7 +22,7 @@ from _tolerances import (
     ulp,
 )
 from k3fusion import reference
-from k3fusion.kernels._launch import _kernels_are_interpreted
+from k3fusion.kernels._launch import kernels_are_interpreted
 from k3fusion.kernels.qkv_rmsnorm import dual_rms_norm as launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,7 +152,7 @@ def test_kernels_are_interpreted_on_cpu() -> None:
     """Guard for everything above: on CPU the kernel must be the interpreted one."""
     if DEVICE == "cuda":
         pytest.skip("compiled kernels on a CUDA machine")
-    assert _kernels_are_interpreted()
+    assert kernels_are_interpreted()
 
 
 def test_eps_is_per_member() -> None:

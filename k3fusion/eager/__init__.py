@@ -7,8 +7,8 @@ One module per fusion, named as its pattern, op and kernel are:
 * ``qkv_rmsnorm``: :func:`fused_qkv_rmsnorm`, the MLA q/kv RMSNorm pair as one launch;
 * ``attn_res``: :func:`attn_res`, one fused AttnRes step with the spec's in-place effects;
 * ``moe_tail``: :class:`MoETailRunner`, the latent-MoE tail through its tiers;
-* ``patch``: :func:`patch_model`, which switches a model's modules to them (a table of
-  detector and patcher per fusion, :data:`~k3fusion.eager.patch.PATCHERS`).
+* ``patch``: :func:`patch_model`, which switches a model's modules to them (each fusion
+  module's ``PATCHER``, a detector and a patcher, :data:`~k3fusion.eager.patch.PATCHERS`).
 
 How a patched module fuses without touching its ``forward``, and when the fused paths
 step aside: docs/design-notes.md, "k3fusion/eager/".

@@ -1,7 +1,7 @@
 """When a patched module may hand out a fused or cached result instead of running itself.
 
 Shared by the q/kv prefetch and the AttnRes step: a tensor as a result saw it
-(:class:`_Seen`), and whether autograd would record a graph (the fused kernels have
+(:class:`SeenTensor`), and whether autograd would record a graph (the fused kernels have
 no backward, so the original modules run then).
 """
 
@@ -11,12 +11,14 @@ import weakref
 
 import torch
 
+__all__ = ["SeenTensor", "records_grad"]
+
 
 def _root(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
-class _Seen:
+class SeenTensor:
     """A tensor as a cached result saw it: its allocation (the view's base, held weakly:
     a freed tensor never matches, whatever reuses its address), the view, and the
     version of the contents (in-place writes through any view of the base bump it)."""
@@ -34,7 +36,7 @@ class _Seen:
                 and (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) == self.view)
 
 
-def _records_grad(tensors, modules) -> bool:
+def records_grad(tensors, modules) -> bool:
     """Autograd would record a graph through these inputs and modules' parameters."""
     if not torch.is_grad_enabled():
         return False

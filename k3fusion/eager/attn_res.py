@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from .. import ops, reference
-from ._guards import _records_grad, _Seen
+from ..patterns.attn_res import FUSION_NAME
+from ._guards import records_grad, SeenTensor
 from ._norm_spec import CheckedSpec, rms_norm_spec
+from .patcher import Patcher
 
 
 def attn_res(
@@ -102,7 +104,7 @@ class _FusedAttnResStep:
         self.original = original
         # Keyed by the module itself, weakly: an id() could be reused by a later module.
         self._specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._stacked: tuple[list[_Seen], torch.Tensor] | None = None
+        self._stacked: tuple[list[SeenTensor], torch.Tensor] | None = None
         #: {reason: calls} that ran the original step although the module is standard
         self.fallbacks: dict[str, int] = {}
 
@@ -129,7 +131,7 @@ class _FusedAttnResStep:
                 and all(seen.matches(b) for seen, b in zip(cached[0], blocks))):
             return cached[1]
         stacked = torch.stack(blocks, dim=-2)
-        self._stacked = ([_Seen(b) for b in blocks], stacked)
+        self._stacked = ([SeenTensor(b) for b in blocks], stacked)
         return stacked
 
     @staticmethod
@@ -143,7 +145,7 @@ class _FusedAttnResStep:
         if not torch.is_grad_enabled():
             return False
         tensors = [prefix, delta, *(bank if isinstance(bank, list) else [bank])]
-        return _records_grad(tensors, [m for m in (res, output_norm) if isinstance(m, nn.Module)])
+        return records_grad(tensors, [m for m in (res, output_norm) if isinstance(m, nn.Module)])
 
     @staticmethod
     def _inexpressible(bank, num_blocks, block_write_idx) -> str | None:
@@ -233,3 +235,7 @@ def patch_attn_res(name: str, module: nn.Module) -> list[tuple[str, str | None]]
             module.attn_res_handoff = True
             entries.append((key, None))
     return entries
+
+
+#: Tried on a module after the MoE tail's patcher, before the q/kv one.
+PATCHER = Patcher(FUSION_NAME, has_attn_res_step, patch_attn_res, order=1)

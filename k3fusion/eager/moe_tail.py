@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from ..config import get_config
-from ..moe_tail import _as_tier, run_latent_moe_tail
-from ._guards import _records_grad
+from ..moe_tail import as_tier, run_latent_moe_tail
+from ..patterns.moe_tail import FUSION_NAME
+from ._guards import records_grad
 from ._norm_spec import CheckedSpec, rms_norm_spec, why_not_standard
+from .patcher import Patcher
 
 
 class MoETailRunner(nn.Module):
@@ -47,7 +49,7 @@ class MoETailRunner(nn.Module):
         self.norm, self.up_proj, self.group = norm, up_proj, group
         self._norm_spec = CheckedSpec(rms_norm_spec)
         self._norm_spec.get(norm)
-        self.tier = None if tier is None else _as_tier(tier)
+        self.tier = None if tier is None else as_tier(tier)
         self.last_tier = None
         # Load the config now (reads the environment): a first load inside a compiled
         # region would not trace.
@@ -105,7 +107,7 @@ class _MoETailStep:
         return self.runner
 
     def __call__(self, routed_latent, shared):
-        if _records_grad((routed_latent, shared), (self.runner.norm, self.runner.up_proj)):
+        if records_grad((routed_latent, shared), (self.runner.norm, self.runner.up_proj)):
             return self.original(routed_latent, shared)  # the fused tiers have no backward
         runner = self._current_runner()
         if isinstance(runner, str):
@@ -142,6 +144,10 @@ def _swap_tail(module: nn.Module) -> str | None:
 def patch_moe_tail(name: str, module: nn.Module) -> list[tuple[str, str | None]]:
     """``[(report key, None if patched else why skipped)]`` for the module's ``tail``."""
     return [(f"{name}.tail" if name else "tail", _swap_tail(module))]
+
+
+#: Tried on a module first.
+PATCHER = Patcher(FUSION_NAME, is_latent_moe, patch_moe_tail, order=0)
 
 
 def moe_tail_runners(model: nn.Module) -> dict[str, MoETailRunner]:

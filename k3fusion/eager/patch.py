@@ -7,14 +7,15 @@ each module; :class:`PatchReport` collects what they say.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import weakref
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from .attn_res import has_attn_res_step, patch_attn_res
-from .moe_tail import is_latent_moe, patch_moe_tail
-from .qkv_rmsnorm import has_qkv_norms, patch_qkv_rmsnorm
+from ..patterns.registry import FUSIONS
+from .patcher import Patcher
 
 #: When a patched module runs its fused kernels, in :attr:`PatchReport.notes`.
 FUSED_WHEN = ("patched modules run their fused kernels only where autograd records nothing "
@@ -54,14 +55,21 @@ class PatchReport:
         return found
 
 
-#: ``(fusion, detector, patcher)``, tried in this order on every module (a module may have
-#: several). ``detector(module) -> bool``; ``patcher(name, module) -> [(report key, None if
-#: patched else why skipped)]``, entries in the order the report lists them.
-PATCHERS = (
-    ("moe_tail", is_latent_moe, patch_moe_tail),
-    ("attn_res", has_attn_res_step, patch_attn_res),
-    ("qkv_rmsnorm", has_qkv_norms, patch_qkv_rmsnorm),
-)
+def _patchers() -> tuple[Patcher, ...]:
+    """Each registered fusion's ``PATCHER``, from its eager module ``k3fusion.eager.<fusion>``
+    (a fusion without one has no eager path), in the order they are tried (``order``).
+    Found by name, so that a new fusion's eager module needs no line here."""
+    found = []
+    for fusion in FUSIONS:
+        module = f"{__package__}.{fusion.name}"
+        if importlib.util.find_spec(module) is not None:
+            found.append(importlib.import_module(module).PATCHER)
+    return tuple(sorted(found, key=lambda p: p.order))
+
+
+#: Every fusion's :class:`~k3fusion.eager.patcher.Patcher`, tried in this order on every
+#: module (a module may have several contracts).
+PATCHERS = _patchers()
 
 
 def patch_model(model: nn.Module) -> PatchReport:
@@ -94,10 +102,10 @@ def patch_model(model: nn.Module) -> PatchReport:
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     report = PatchReport([], {}, model=weakref.ref(model))
     for name, module in list(model.named_modules()):
-        for _fusion, detects, patch in PATCHERS:
-            if not detects(module):
+        for patcher in PATCHERS:
+            if not patcher.detects(module):
                 continue
-            for key, why in patch(name, module):
+            for key, why in patcher.patch(name, module):
                 if why is None:
                     report.patched.append(key)
                 else:

@@ -17,8 +17,10 @@ from torch import nn
 
 from .. import reference
 from ..ops import check_rms_norm_args
-from ._guards import _records_grad, _Seen
+from ..patterns.qkv_rmsnorm import FUSION_NAME
+from ._guards import records_grad, SeenTensor
 from ._norm_spec import CheckedSpec, rms_norm_spec, why_not_standard
+from .patcher import Patcher
 
 log = logging.getLogger("k3fusion")
 
@@ -114,13 +116,13 @@ class _Stash:
     whose input is the tensor (same base, view and version) the step computed it from,
     with the module's parameters unchanged."""
 
-    hidden: _Seen
+    hidden: SeenTensor
     kv_state: _ModuleState
     kv: torch.Tensor | None
-    q_c: _Seen
+    q_c: SeenTensor
     q_state: _ModuleState
     q_out: torch.Tensor | None
-    kv_c: _Seen
+    kv_c: SeenTensor
     kv_norm_state: _ModuleState
     kv_out: torch.Tensor | None
     #: the norms' specs the results were computed with (the same objects while they hold)
@@ -152,7 +154,7 @@ class _QKVPrefetch:
 
     def _fusable(self, x: torch.Tensor) -> bool:
         return (isinstance(x, torch.Tensor) and _can_fuse(x)
-                and not _records_grad((x,), self.original))
+                and not records_grad((x,), self.original))
 
     def _specs_hold(self, used=None) -> bool:
         """Both norms are still of the standard kind (their specs follow any change) --
@@ -181,9 +183,9 @@ class _QKVPrefetch:
             log.debug("k3fusion eager: q/kv prefetch skipped: %s", e)
             return q_c
         q_out, kv_out = self.fused(q_c, kv_c)
-        self.stash = _Stash(_Seen(hidden), _ModuleState(self.kv_proj), kv,
-                            _Seen(q_c), _ModuleState(self.q_norm), q_out,
-                            _Seen(kv_c), _ModuleState(self.kv_norm), kv_out, (q_spec, kv_spec))
+        self.stash = _Stash(SeenTensor(hidden), _ModuleState(self.kv_proj), kv,
+                            SeenTensor(q_c), _ModuleState(self.q_norm), q_out,
+                            SeenTensor(kv_c), _ModuleState(self.kv_norm), kv_out, (q_spec, kv_spec))
         return q_c
 
     def project_kv(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -244,3 +246,7 @@ def patch_qkv_rmsnorm(name: str, module: nn.Module) -> list[tuple[str, str | Non
             return [(_path(name, child), why)]
     _QKVPrefetch(module).install()
     return [(name, None)]
+
+
+#: Tried on a module last.
+PATCHER = Patcher(FUSION_NAME, has_qkv_norms, patch_qkv_rmsnorm, order=2)

@@ -19,9 +19,9 @@ from .symm_mem import (SymmMemUnavailableError, check_symm_mem_tail_args, disabl
                        enable_symm_mem_tail, one_shot_all_reduce, prepare_symm_mem_tail,
                        symm_mem_latent_moe_tail, symm_mem_tail_enabled)
 from .tiers import (TRITON_SELECT_MAX_TOKENS, TailFusionImpl, Tier, TierUnavailableError,
-                    _as_tier, _norm_then_beta_add, _select, available_tiers, latent_moe_tail,
-                    register_tail_fusion, reset_tier_counts, run_latent_moe_tail, select_tier,
-                    tail_fusion_impls, tier_counts, tier_unavailable_reason, tp_size_and_rank,
+                    as_tier, available_tiers, latent_moe_tail, register_tail_fusion,
+                    reset_tier_counts, run_latent_moe_tail, select_tier, tail_fusion_impls,
+                    tier_counts, tier_unavailable_reason, tp_size_and_rank,
                     unregister_tail_fusion)
 
 __all__ = [

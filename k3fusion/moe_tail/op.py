@@ -17,7 +17,7 @@ import torch
 
 from .. import reference
 from ..moe_tail_args import check_latent_moe_tail_args
-from ..ops._args import _check_eps_tensor, _eps_value
+from ..ops._args import check_eps_tensor, eps_value
 from ..ops._backward import differentiate_by_reference
 from . import tiers
 
@@ -43,7 +43,7 @@ def _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor
                 norm_dtype=None, weight_in_fp32=False) -> None:
     check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype,
                                weight_in_fp32)
-    _check_eps_tensor(eps_tensor, "eps_tensor")
+    check_eps_tensor(eps_tensor, "eps_tensor")
     if group_name is not None and not isinstance(group_name, str):
         raise TypeError(f"group_name must be a str or None, got {type(group_name).__name__}")
 
@@ -93,7 +93,7 @@ def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False
       eps_tensor=None, norm_dtype=None):
     _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
                 weight_in_fp32)
-    eps = _eps_value(eps, eps_tensor, "eps_tensor")
+    eps = eps_value(eps, eps_tensor, "eps_tensor")
     y = tiers.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
                               resolve_group(group_name), weight_in_fp32=weight_in_fp32,
                               norm_dtype=norm_dtype)
@@ -113,7 +113,7 @@ def _tail_formula(routed_latent, shared, norm_w, eps, up_w, group_name, weight_i
             "k3fusion::latent_moe_tail has no backward over a process group (group_name="
             f"{group_name!r}); differentiate the unfused tail for tensor-parallel training")
     return reference.latent_moe_tail(routed_latent, shared, norm_w,
-                                     _eps_value(eps, eps_tensor, "eps_tensor"), up_w, None,
+                                     eps_value(eps, eps_tensor, "eps_tensor"), up_w, None,
                                      weight_in_fp32, norm_dtype)
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "unregister_tail_fusion", "tail_fusion_impls", "tier_unavailable_reason",
     "available_tiers", "select_tier", "latent_moe_tail", "run_latent_moe_tail",
     "tier_counts", "reset_tier_counts", "tp_size_and_rank", "TRITON_SELECT_MAX_TOKENS",
+    "as_tier",
 ]
 
 log = logging.getLogger("k3fusion")
@@ -154,7 +155,7 @@ def _check_facts(tokens, hidden, tp) -> None:
 
 def tier_unavailable_reason(tier, tokens: int, hidden: int, tp: int, device) -> str | None:
     """None if ``tier`` can compute a call with these facts, else why it cannot."""
-    tier = _as_tier(tier)
+    tier = as_tier(tier)
     _check_facts(tokens, hidden, tp)
     device = _device(device)
     if tier is Tier.TAIL_FUSION:
@@ -170,7 +171,8 @@ def available_tiers(tokens: int, hidden: int, tp: int, device) -> tuple[Tier, ..
     return tuple(t for t in Tier if tier_unavailable_reason(t, tokens, hidden, tp, device) is None)
 
 
-def _as_tier(tier) -> Tier:
+def as_tier(tier) -> Tier:
+    """``tier`` as a :class:`Tier`: a Tier, or its value (any case)."""
     if isinstance(tier, Tier):
         return tier
     try:
@@ -188,9 +190,9 @@ def _select(tokens, hidden, tp, device, config: FusionConfig | None, force) -> t
     _check_facts(tokens, hidden, tp)
     device = _device(device)
     if force is not None:
-        forced, by = _as_tier(force), "the tier argument"
+        forced, by = as_tier(force), "the tier argument"
     elif config.moe_tail_tier != "auto":
-        forced, by = _as_tier(config.moe_tail_tier), "FusionConfig.moe_tail_tier (K3FUSION_MOE_TAIL_TIER)"
+        forced, by = as_tier(config.moe_tail_tier), "FusionConfig.moe_tail_tier (K3FUSION_MOE_TAIL_TIER)"
     else:
         forced = None
     if forced is not None:

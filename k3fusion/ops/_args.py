@@ -10,10 +10,11 @@ from .. import reference
 from ..kernels._launch import interpreter_enabled
 from ..reference import FLOAT_DTYPES, last_dim_contiguous
 
-__all__ = ["check_rms_norm_args"]
+__all__ = ["check_rms_norm_args", "check_eps", "check_eps_tensor", "eps_value", "runs_kernel",
+           "as_rows", "new_norm_output"]
 
 
-def _check_eps(eps: float, name: str) -> None:
+def check_eps(eps: float, name: str) -> None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(eps).__name__}")
     if not (math.isfinite(eps) and eps >= 0):
@@ -27,7 +28,7 @@ def check_rms_norm_args(x: torch.Tensor, w: torch.Tensor, eps: float, *, x_name:
         raise TypeError(f"{x_name} must be a Tensor, got {type(x).__name__}")
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{w_name} must be a Tensor, got {type(w).__name__}")
-    _check_eps(eps, eps_name)
+    check_eps(eps, eps_name)
     if x.dim() < 1:
         raise ValueError(f"{x_name} must have at least 1 dim ([..., hidden]), got a 0-dim tensor")
     if w.dim() != 1:
@@ -52,13 +53,13 @@ def check_rms_norm_args(x: torch.Tensor, w: torch.Tensor, eps: float, *, x_name:
         raise ValueError(f"{w_name} is on {w.device} but {x_name} is on {x.device}")
 
 
-def _use_kernel(t: torch.Tensor) -> bool:
+def runs_kernel(t: torch.Tensor) -> bool:
     """Whether an op on ``t``'s device runs the Triton kernel: always on CUDA; on CPU in
     Triton's interpreter (``TRITON_INTERPRET=1``, read per call), else ``k3fusion.reference``."""
     return t.device.type == "cuda" or interpreter_enabled()
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a 2-D ``[T, N]`` row view; copies only if the leading dims cannot be merged."""
     n = t.shape[-1]
     try:
@@ -67,13 +68,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, n)
 
 
-def _new_norm_output(x: torch.Tensor, w: torch.Tensor, weight_in_fp32: bool,
-                     norm_dtype: torch.dtype | None = None) -> torch.Tensor:
+def new_norm_output(x: torch.Tensor, w: torch.Tensor, weight_in_fp32: bool,
+                    norm_dtype: torch.dtype | None = None) -> torch.Tensor:
     dtype = reference.rms_norm_out_dtype(x.dtype, w.dtype, weight_in_fp32, norm_dtype)
     return x.new_empty(x.shape, dtype=dtype)
 
 
-def _check_eps_tensor(eps_tensor: torch.Tensor | None, name: str) -> None:
+def check_eps_tensor(eps_tensor: torch.Tensor | None, name: str) -> None:
     if eps_tensor is None:
         return
     if eps_tensor.dim() != 0 or not eps_tensor.dtype.is_floating_point:
@@ -84,7 +85,7 @@ def _check_eps_tensor(eps_tensor: torch.Tensor | None, name: str) -> None:
         raise ValueError(f"{name} must be on the CPU, got {eps_tensor.device}")
 
 
-def _eps_value(eps: float, eps_tensor: torch.Tensor | None, name: str) -> float:
+def eps_value(eps: float, eps_tensor: torch.Tensor | None, name: str) -> float:
     if eps_tensor is None:
         return eps
     value = float(eps_tensor)  # a CPU scalar: a host read, not a device sync

@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from .. import kernels, reference
-from ._args import (_check_eps, _check_eps_tensor, _eps_value, _new_norm_output, _rows,
-                    _use_kernel, check_rms_norm_args)
+from ._args import (check_eps, check_eps_tensor, eps_value, new_norm_output, as_rows,
+                    runs_kernel, check_rms_norm_args)
 from ._backward import differentiate_by_reference
 
 # ====================================================================== AttnRes
@@ -54,7 +54,7 @@ def check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=N
         check_rms_norm_args(prefix, out_norm_w, out_eps, x_name="prefix", w_name="out_norm_w",
                             eps_name="out_eps")
     else:
-        _check_eps(out_eps, "out_eps")
+        check_eps(out_eps, "out_eps")
     if not isinstance(blocks, torch.Tensor):
         raise TypeError(f"blocks must be a Tensor, got {type(blocks).__name__}")
     if blocks.dim() != prefix.dim() + 1:
@@ -138,14 +138,14 @@ def _block_rows(blocks: torch.Tensor, num_rows, written: bool) -> torch.Tensor:
 def _attn_res_out(prefix: torch.Tensor, out_norm_w, out_weight_in_fp32: bool) -> torch.Tensor:
     if out_norm_w is None:
         return torch.empty_like(prefix, memory_format=torch.contiguous_format)
-    return _new_norm_output(prefix, out_norm_w, out_weight_in_fp32)
+    return new_norm_output(prefix, out_norm_w, out_weight_in_fp32)
 
 
 def _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta, prefix_out,
                      block_write_idx, out_norm_w, out_eps, out_weight_in_fp32) -> None:
     # ``kernels.attn_res`` is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
-    kernels.attn_res(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, _rows(out),
-                     delta=None if delta is None else _rows(delta), prefix_out=prefix_out,
+    kernels.attn_res(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, as_rows(out),
+                     delta=None if delta is None else as_rows(delta), prefix_out=prefix_out,
                      block_write_idx=block_write_idx, out_norm_w=out_norm_w, out_eps=out_eps,
                      out_weight_in_fp32=out_weight_in_fp32)
 
@@ -186,7 +186,7 @@ def attn_res_(
 
 
 def _inplace_views(prefix, blocks, delta, block_write_idx):
-    prefix2 = _written_rows(prefix) if delta is not None else _rows(prefix)
+    prefix2 = _written_rows(prefix) if delta is not None else as_rows(prefix)
     return prefix2, _block_rows(blocks, prefix2.shape[0], block_write_idx >= 0)
 
 
@@ -273,7 +273,7 @@ def _write_in_spec_order(prefix, prefix2, blocks, delta, block_write_idx) -> Non
     """Steps 1 and 2 of ``k3fusion.reference.attn_res`` as separate ops, each reading
     all its input before it writes (what the spec's sequential steps mean)."""
     if delta is not None:
-        prefix2.copy_((prefix2.float() + _rows(delta).float()).to(prefix2.dtype))
+        prefix2.copy_((prefix2.float() + as_rows(delta).float()).to(prefix2.dtype))
     if block_write_idx >= 0:
         slot = blocks[..., block_write_idx, :]
         slot.copy_(prefix.clone() if _may_overlap(slot, prefix) else prefix)
@@ -290,15 +290,15 @@ def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_i
         # reads (and sees the written values, as the spec's later steps do).
         _write_in_spec_order(prefix, prefix2, blocks, delta, block_write_idx)
         delta, block_write_idx = None, -1
-        prefix2 = _rows(prefix)
+        prefix2 = as_rows(prefix)
         blocks3 = _block_rows(blocks, prefix2.shape[0], written=False)
-    if _use_kernel(prefix):
+    if runs_kernel(prefix):
         out = _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
         _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta, prefix2,
                          block_write_idx, out_norm_w, out_eps, out_weight_in_fp32)
         return out
     out = reference.attn_res(prefix2, blocks3, num_blocks, norm_w, proj_w, eps,
-                             None if delta is None else _rows(delta), block_write_idx,
+                             None if delta is None else as_rows(delta), block_write_idx,
                              out_norm_w, out_eps, out_weight_in_fp32)
     return out.reshape(prefix.shape).contiguous()
 
@@ -333,8 +333,8 @@ def _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, ou
                       out_eps, eps_tensor, out_eps_tensor) -> None:
     check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, -1,
                         out_norm_w, out_eps)
-    _check_eps_tensor(eps_tensor, "eps_tensor")
-    _check_eps_tensor(out_eps_tensor, "out_eps_tensor")
+    check_eps_tensor(eps_tensor, "eps_tensor")
+    check_eps_tensor(out_eps_tensor, "out_eps_tensor")
 
 
 @attn_res.register_fake
@@ -353,23 +353,23 @@ def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=No
       out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
     _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
                       out_eps, eps_tensor, out_eps_tensor)
-    eps = _eps_value(eps, eps_tensor, "eps_tensor")
-    out_eps = _eps_value(out_eps, out_eps_tensor, "out_eps_tensor")
-    prefix2 = _rows(prefix)
+    eps = eps_value(eps, eps_tensor, "eps_tensor")
+    out_eps = eps_value(out_eps, out_eps_tensor, "out_eps_tensor")
+    prefix2 = as_rows(prefix)
     blocks3 = _block_rows(blocks, prefix2.shape[0], written=False)  # read only: may copy
-    if _use_kernel(prefix):
+    if runs_kernel(prefix):
         out = _attn_res_out(prefix, out_norm_w, out_weight_in_fp32)
         new_prefix = None
         if delta is not None:
             new_prefix = torch.empty_like(prefix, memory_format=torch.contiguous_format)
         _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta,
-                         None if new_prefix is None else _rows(new_prefix), -1, out_norm_w,
+                         None if new_prefix is None else as_rows(new_prefix), -1, out_norm_w,
                          out_eps, out_weight_in_fp32)
         return [out] if new_prefix is None else [out, new_prefix]
     if delta is not None:
         prefix2 = prefix2.clone(memory_format=torch.contiguous_format)  # the reference updates it
     out = reference.attn_res(prefix2, blocks3, num_blocks, norm_w, proj_w, eps,
-                             None if delta is None else _rows(delta), -1, out_norm_w, out_eps,
+                             None if delta is None else as_rows(delta), -1, out_norm_w, out_eps,
                              out_weight_in_fp32)
     out = out.reshape(prefix.shape).contiguous()
     return [out] if delta is None else [out, prefix2.view(prefix.shape)]
@@ -388,11 +388,11 @@ def _attn_res_formula(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=Non
                       out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None,
                       out_eps_tensor=None):
     """The functional op in differentiable torch ops (the reference on row views)."""
-    rows = _rows(prefix).clone()  # the reference adds delta into it
+    rows = as_rows(prefix).clone()  # the reference adds delta into it
     out = reference.attn_res(rows, _block_rows(blocks, rows.shape[0], written=False),
-                             num_blocks, norm_w, proj_w, _eps_value(eps, eps_tensor, "eps_tensor"),
-                             None if delta is None else _rows(delta), -1, out_norm_w,
-                             _eps_value(out_eps, out_eps_tensor, "out_eps_tensor"),
+                             num_blocks, norm_w, proj_w, eps_value(eps, eps_tensor, "eps_tensor"),
+                             None if delta is None else as_rows(delta), -1, out_norm_w,
+                             eps_value(out_eps, out_eps_tensor, "out_eps_tensor"),
                              out_weight_in_fp32).reshape(prefix.shape)
     return [out] if delta is None else [out, rows.view(prefix.shape)]
 

@@ -8,7 +8,7 @@ import torch
 
 from .. import kernels, reference
 from ..config import dual_norm_rows_for_widths, get_config
-from ._args import (_check_eps_tensor, _eps_value, _new_norm_output, _rows, _use_kernel,
+from ._args import (check_eps_tensor, eps_value, new_norm_output, as_rows, runs_kernel,
                     check_rms_norm_args)
 from ._backward import differentiate_by_reference
 
@@ -18,8 +18,8 @@ __all__ = ["dual_rms_norm"]
 def _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor=None, eps2_tensor=None) -> None:
     check_rms_norm_args(x1, w1, eps1, x_name="x1", w_name="w1", eps_name="eps1")
     check_rms_norm_args(x2, w2, eps2, x_name="x2", w_name="w2", eps_name="eps2")
-    _check_eps_tensor(eps1_tensor, "eps1_tensor")
-    _check_eps_tensor(eps2_tensor, "eps2_tensor")
+    check_eps_tensor(eps1_tensor, "eps1_tensor")
+    check_eps_tensor(eps2_tensor, "eps2_tensor")
     if x1.device != x2.device:
         raise ValueError(f"x1 is on {x1.device} but x2 is on {x2.device}")
 
@@ -50,25 +50,25 @@ def dual_rms_norm(
 def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
       eps1_tensor=None, eps2_tensor=None):
     _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
-    return _new_norm_output(x1, w1, weight_in_fp32_1), _new_norm_output(x2, w2, weight_in_fp32_2)
+    return new_norm_output(x1, w1, weight_in_fp32_1), new_norm_output(x2, w2, weight_in_fp32_2)
 
 
 @dual_rms_norm.register_kernel(("cpu", "cuda"))
 def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
       eps1_tensor=None, eps2_tensor=None):
     _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
-    eps1 = _eps_value(eps1, eps1_tensor, "eps1_tensor")
-    eps2 = _eps_value(eps2, eps2_tensor, "eps2_tensor")
-    if not _use_kernel(x1):
+    eps1 = eps_value(eps1, eps1_tensor, "eps1_tensor")
+    eps2 = eps_value(eps2, eps2_tensor, "eps2_tensor")
+    if not runs_kernel(x1):
         y1, y2 = reference.dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1,
                                          weight_in_fp32_2)
         # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
         return y1.contiguous(), y2.contiguous()
-    y1 = _new_norm_output(x1, w1, weight_in_fp32_1)
-    y2 = _new_norm_output(x2, w2, weight_in_fp32_2)
+    y1 = new_norm_output(x1, w1, weight_in_fp32_1)
+    y2 = new_norm_output(x2, w2, weight_in_fp32_2)
     # ``kernels.dual_rms_norm`` is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
     kernels.dual_rms_norm(
-        _rows(x1), w1, eps1, _rows(x2), w2, eps2, _rows(y1), _rows(y2),
+        as_rows(x1), w1, eps1, as_rows(x2), w2, eps2, as_rows(y1), as_rows(y2),
         weight_in_fp32_1, weight_in_fp32_2,
         rows_per_program=dual_norm_rows_for_widths(get_config(), x1.shape[-1], x2.shape[-1]),
     )
@@ -79,8 +79,8 @@ def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False
 
 def _dual_formula(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
                   eps1_tensor=None, eps2_tensor=None):
-    return reference.dual_rms_norm(x1, w1, _eps_value(eps1, eps1_tensor, "eps1_tensor"), x2, w2,
-                                   _eps_value(eps2, eps2_tensor, "eps2_tensor"),
+    return reference.dual_rms_norm(x1, w1, eps_value(eps1, eps1_tensor, "eps1_tensor"), x2, w2,
+                                   eps_value(eps2, eps2_tensor, "eps2_tensor"),
                                    weight_in_fp32_1, weight_in_fp32_2)
 
 

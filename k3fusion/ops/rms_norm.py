@@ -9,7 +9,7 @@ import torch
 
 from .. import kernels, reference
 from ..reference import FLOAT_DTYPES
-from ._args import _new_norm_output, _rows, _use_kernel, check_rms_norm_args
+from ._args import new_norm_output, as_rows, runs_kernel, check_rms_norm_args
 from ._backward import differentiate_by_reference
 
 __all__ = ["rms_norm", "rms_norm_and_copy"]
@@ -37,18 +37,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_in_fp32: bool 
 @rms_norm.register_fake
 def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
     _check(x, w, eps, weight_in_fp32, norm_dtype)
-    return _new_norm_output(x, w, weight_in_fp32, norm_dtype)
+    return new_norm_output(x, w, weight_in_fp32, norm_dtype)
 
 
 @rms_norm.register_kernel(("cpu", "cuda"))
 def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
     _check(x, w, eps, weight_in_fp32, norm_dtype)
-    if not _use_kernel(x):
+    if not runs_kernel(x):
         # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
         return reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype).contiguous()
-    y = _new_norm_output(x, w, weight_in_fp32, norm_dtype)
+    y = new_norm_output(x, w, weight_in_fp32, norm_dtype)
     # ``kernels.rms_norm`` is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
-    kernels.rms_norm(_rows(x), w, eps, _rows(y), weight_in_fp32=weight_in_fp32,
+    kernels.rms_norm(as_rows(x), w, eps, as_rows(y), weight_in_fp32=weight_in_fp32,
                      norm_dtype=norm_dtype)
     return y
 
@@ -84,7 +84,7 @@ def rms_norm_and_copy(x: torch.Tensor, w: torch.Tensor, eps: float, other: torch
 def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
     _check(x, w, eps, weight_in_fp32, norm_dtype)
     _check_copy(x, other)
-    return (_new_norm_output(x, w, weight_in_fp32, norm_dtype),
+    return (new_norm_output(x, w, weight_in_fp32, norm_dtype),
             other.new_empty(other.shape))
 
 
@@ -92,13 +92,13 @@ def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
 def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
     _check(x, w, eps, weight_in_fp32, norm_dtype)
     _check_copy(x, other)
-    if not _use_kernel(x):
+    if not runs_kernel(x):
         y = reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype).contiguous()
         return y, other.clone(memory_format=torch.contiguous_format)
-    y = _new_norm_output(x, w, weight_in_fp32, norm_dtype)
+    y = new_norm_output(x, w, weight_in_fp32, norm_dtype)
     out = other.new_empty(other.shape)
-    kernels.rms_norm(_rows(x), w, eps, _rows(y), weight_in_fp32=weight_in_fp32,
-                     norm_dtype=norm_dtype, copy=(_rows(other), out.view(-1, other.shape[-1])))
+    kernels.rms_norm(as_rows(x), w, eps, as_rows(y), weight_in_fp32=weight_in_fp32,
+                     norm_dtype=norm_dtype, copy=(as_rows(other), out.view(-1, other.shape[-1])))
     return y, out
 
 
