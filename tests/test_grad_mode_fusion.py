@@ -189,31 +189,6 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("build", [_tiny_k3, _nanogpt, _nanochat])
-def test_training_step_fuses_the_forward_and_its_gradients_are_within_bound(build):
-    model, args, sites = build(torch.bfloat16)
-    exact_model = copy.deepcopy(model).double()
-    exact_args = tuple(a.double() if a.is_floating_point() else a for a in args)
-    _logits(exact_model(*exact_args)).square().mean().backward()
-    exact = _grads(exact_model)
-    _logits(model(*args)).float().square().mean().backward()
-    eager = _grads(model)
-    model.zero_grad(set_to_none=True)
-    with cpu_path("reference"):
-        compiled = torch.compile(model, backend="k3fusion")
-        _logits(compiled(*args)).float().square().mean().backward()
-    assert _fused(k3fusion.match_counts()) == sites
-    got = _grads(model)
-    assert got.keys() == exact.keys() == eager.keys()
-    for name, g in exact.items():
-        e, c = (eager[name] - g).abs(), (got[name] - g).abs()
-        bound = 2 * float(e.max()) + 2 * float(ulp(g.abs().max(), torch.bfloat16))
-        assert float(c.max()) <= bound, (name, float(c.max()), float(e.max()))
-        assert float(c.mean()) <= 2.5 * float(e.mean()) + 1e-12 * float(g.abs().max()), (
-            name, float(c.mean()), float(e.mean()))
-
-
 def _lm_loss(out, args):
     logits = _logits(out)
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
@@ -225,23 +200,42 @@ def _regression_loss(out, args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build, loss_of", [(_tiny_k3, _lm_loss), (_nanogpt, _regression_loss)])
-def test_twenty_training_steps_track_eager(build, loss_of):
-    model, args, sites = build(torch.float32)
+@pytest.mark.parametrize("build, loss_of", [(_tiny_k3, _lm_loss), (_nanogpt, _regression_loss),
+                                            (_nanochat, _regression_loss)])
+def test_training_steps_fuse_the_forward_with_gradients_and_losses_within_bound(build, loss_of):
+    """A compiled training step (bf16): every forward site fused; at the first step every
+    parameter's gradient within the bound against an fp64 copy (module docstring); over
+    twenty AdamW steps the loss tracks eager's within 2**-6 of it (a few bf16 roundings
+    of the loss; measured: at most 0.5%)."""
+    model, args, sites = build(torch.bfloat16)
+    exact_model = copy.deepcopy(model).double()
+    exact_args = tuple(a.double() if a.is_floating_point() else a for a in args)
+    loss_of(exact_model(*exact_args), exact_args).backward()
+    exact = _grads(exact_model)
     twin = copy.deepcopy(model)
-    losses = {}
+    losses, first = {}, {}
     with cpu_path("reference"):
         for name, m in (("eager", twin), ("k3fusion", model)):
             step_fn = m if name == "eager" else torch.compile(m, backend="k3fusion")
             opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
             losses[name] = []
-            for _ in range(20):
+            for step in range(20):
                 opt.zero_grad(set_to_none=True)
                 loss = loss_of(step_fn(*args), args)
                 loss.backward()
+                if step == 0:
+                    first[name] = _grads(m)
                 opt.step()
                 losses[name].append(loss.item())
     assert _fused(k3fusion.match_counts()) == sites
+    eager, got = first["eager"], first["k3fusion"]
+    assert got.keys() == exact.keys() == eager.keys()
+    for name, g in exact.items():
+        e, c = (eager[name] - g).abs(), (got[name] - g).abs()
+        bound = 2 * float(e.max()) + 2 * float(ulp(g.abs().max(), torch.bfloat16))
+        assert float(c.max()) <= bound, (name, float(c.max()), float(e.max()))
+        assert float(c.mean()) <= 2.5 * float(e.mean()) + 1e-12 * float(g.abs().max()), (
+            name, float(c.mean()), float(e.mean()))
     assert losses["k3fusion"][-1] < losses["k3fusion"][0]  # it trains
     for step, (a, b) in enumerate(zip(losses["eager"], losses["k3fusion"])):
-        assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
+        assert abs(a - b) <= 2**-6 * abs(a), (step, a, b)
