@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import textwrap
-import time
 import traceback
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 
 import k3fusion
 from k3fusion.bench.timing import cuda_graph_us
-from k3fusion.explain import explain
+from k3fusion.explain import StageProgress, explain
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 from k3fusion.models.kimi_k3 import ATTN_RES_BANKS, NORM_STYLES, count_latent_moe_layers
 from k3fusion.patterns.attn_res import FUSION as ATTN_RES, HANDOFF_NAME
@@ -143,25 +142,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-class _Progress:
-    """One line per stage on stderr (a compile on CPU takes tens of seconds)."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet, self.start = quiet, time.perf_counter()
-
-    def __call__(self, what: str) -> None:
-        if not self.quiet:
-            print(f"[k3fusion {time.perf_counter() - self.start:5.1f} s] {what}",
-                  file=sys.stderr, flush=True)
-
-
 def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     scale = ref.float().abs().max().item() or 1.0
     return (out.float() - ref.float()).abs().max().item() / scale
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    progress = _Progress(getattr(args, "quiet", False))
+    progress = StageProgress(getattr(args, "quiet", False), "k3fusion")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _DTYPES[args.dtype]
     config = KimiK3Config.tiny(dtype=dtype, norm_style=args.norm_style, attn_res=args.attn_res,

@@ -140,15 +140,16 @@ class _Collect(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-class _Progress:
-    """A line on stderr per stage and per compiled graph (a compile takes a while on a CPU)."""
+class StageProgress:
+    """A line on stderr per stage (and, in explain, per compiled graph): a compile takes a
+    while on a CPU. ``label`` starts each line, with the seconds since the start."""
 
-    def __init__(self, quiet: bool) -> None:
-        self.quiet, self.start = quiet, time.perf_counter()
+    def __init__(self, quiet: bool, label: str = "k3fusion explain") -> None:
+        self.quiet, self.label, self.start = quiet, label, time.perf_counter()
 
     def __call__(self, what: str) -> None:
         if not self.quiet:
-            print(f"[k3fusion explain {time.perf_counter() - self.start:5.1f} s] {what}",
+            print(f"[{self.label} {time.perf_counter() - self.start:5.1f} s] {what}",
                   file=sys.stderr, flush=True)
 
 
@@ -159,7 +160,7 @@ def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False
     pass), then print and return what was fused and why each other candidate was not.
     Progress goes to stderr, a line per compiled graph. ``verbose`` also lists rsqrt ops
     that are no RMSNorm; ``quiet`` prints nothing."""
-    progress = _Progress(quiet)
+    progress = StageProgress(quiet)
     log = logging.getLogger("k3fusion")
     handler, level = _Collect(), log.level
     candidates: list[Candidate] = []

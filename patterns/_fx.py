@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import operator
-from typing import Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch.fx import Graph, Node
@@ -190,11 +190,7 @@ def saved_for_backward(graph: Graph) -> SavedValues:
     values, end = list(out.args[0]), max(visible) + 1
     kept = {v for v in values[:end] if isinstance(v, Node)}
     saved = frozenset(v for v in values[end:] if isinstance(v, Node) and v not in kept)
-    only: set[Node] = set()
-    for n in reversed(graph.nodes):
-        if n.op == "call_function" and n.users and all(
-                u in only or (u is out and n in saved) for u in n.users):
-            only.add(n)
+    only = _feeding_only(graph, lambda n, u: u is out and n in saved)
     return SavedValues(saved, frozenset(only))
 
 
@@ -209,13 +205,13 @@ def is_backward_graph(graph: Graph) -> bool:
     return bool(_tangents(graph))
 
 
-def _feeding_only(graph: Graph, backward: set) -> set:
-    """Nodes outside ``backward`` whose every value goes into it (directly or not)."""
+def _feeding_only(graph: Graph, serves_backward: Callable[[Node, Node], bool]) -> set:
+    """The computed nodes whose every read (by ``u`` of ``n``) serves the backward, directly
+    (``serves_backward(n, u)``) or through another such node."""
     only: set[Node] = set()
     for n in reversed(graph.nodes):
-        if n.op in ("placeholder", "output") or n in backward:
-            continue
-        if n.users and all(u in backward or u in only for u in n.users):
+        if n.op == "call_function" and n.users and all(
+                u in only or serves_backward(n, u) for u in n.users):
             only.add(n)
     return only
 
@@ -232,8 +228,8 @@ def joint_backward_values(graph: Graph) -> SavedValues | None:
     for n in graph.nodes:
         if n.op != "output" and any(i in backward for i in n.all_input_nodes):
             backward.add(n)
-    return SavedValues(frozenset(), frozenset(backward | _feeding_only(graph, backward)),
-                       frozenset(backward))
+    feeding = _feeding_only(graph, lambda n, u: u in backward) - backward
+    return SavedValues(frozenset(), frozenset(backward | feeding), frozenset(backward))
 
 
 def recompute_in_backward(graph: Graph, values: SavedValues) -> int:
@@ -244,7 +240,7 @@ def recompute_in_backward(graph: Graph, values: SavedValues) -> int:
     from torch.utils.checkpoint import CheckpointPolicy
 
     backward = set(values.backward) & set(graph.nodes)  # (some were erased by the rewrite)
-    new = _feeding_only(graph, backward) - values.backward_only
+    new = _feeding_only(graph, lambda n, u: u in backward) - backward - values.backward_only
     for n in new:
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return len(new)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import k3fusion
-from k3fusion.bench.decoder import ERROR_RATIO, _ulp, build_model, stack_config
+from k3fusion.bench.decoder import ERROR_RATIO, _errors, _ulp, build_model, stack_config
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")]
@@ -53,11 +53,6 @@ def _decode(model, compiled, tokens_list, steps, vocab) -> float:
                       f" (eager {e_mean:.3g}): {ratio:.3g} of the bound")
     del oracle
     return worst
-
-
-def _errors(out, exact):
-    d = (out - exact).abs()
-    return float(d.max()), float(d.mean())
 
 
 @pytest.fixture(autouse=True)

@@ -669,43 +669,56 @@ def selection_check(result: dict) -> list[dict]:
     return rows
 
 
-def heatmap(result: dict, path: Path) -> None:
-    """PNG of default Inductor's time over the chosen shape's (:func:`selection_check`) per
-    (H, nb, T): one panel per width, block counts down, token counts across."""
+def _heat_panels(result: dict, path: Path, value_of, *, text, outlined, cmap: str,
+                 vmin: float, vmax: float, colorbar: str, title: str) -> None:
+    """One panel per width, block counts down, token counts across: ``value_of(H, nb, T)``
+    (None: no cell), written in the cell as ``text(v)`` -> (string, color), outlined red
+    where ``outlined(v)``."""
     import matplotlib  # optional (the bench extra): only a heat map needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    rows = {(r["H"], r["nb"], r["T"]): r for r in selection_check(result)}
     hiddens, blocks, tokens = result["hiddens"], result["num_blocks"], result["tokens"]
     fig, axes = plt.subplots(1, len(hiddens), figsize=(4.2 * len(hiddens), 4.6), squeeze=False)
     for ax, H in zip(axes[0], hiddens):
         grid = np.full((len(blocks), len(tokens)), np.nan)
         for i, nb in enumerate(blocks):
             for j, T in enumerate(tokens):
-                r = rows.get((H, nb, T))
-                ratio = r and _ratio(r["inductor_us"], r["chosen_us"])
-                if ratio:
-                    grid[i, j] = ratio
-                    ax.text(j, i, f"{ratio:.1f}", ha="center", va="center", fontsize=8,
-                            color="black" if ratio > 2.5 else "white")
-                    if ratio < 2:  # below the issue's 2x: outlined
+                v = value_of(H, nb, T)
+                if v:
+                    grid[i, j] = v
+                    label, color = text(v)
+                    ax.text(j, i, label, ha="center", va="center", fontsize=8, color=color)
+                    if outlined(v):
                         ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
                                                    edgecolor="red", linewidth=2))
-        im = ax.imshow(grid, cmap="viridis", vmin=1, vmax=8, aspect="auto")
+        im = ax.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
         ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
         ax.set_yticks(range(len(blocks)), [str(nb) for nb in blocks])
-        ax.set_xlabel("tokens T")
-        ax.set_ylabel("completed blocks")
-        ax.set_title(f"H {H}")
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8,
-                 label="default Inductor us / k3fusion us (red: below 2x)")
-    fig.suptitle(f"AttnRes step, k3fusion's chosen launch vs default Inductor "
-                 f"({result.get('gpu')}, {result.get('date')}, bf16)")
+        ax.set(xlabel="tokens T", ylabel="completed blocks", title=f"H {H}")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label=colorbar)
+    fig.suptitle(f"{title} ({result.get('gpu')}, {result.get('date')}, bf16)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def heatmap(result: dict, path: Path) -> None:
+    """PNG of default Inductor's time over the chosen shape's (:func:`selection_check`) per
+    (H, nb, T): one panel per width, block counts down, token counts across."""
+    rows = {(r["H"], r["nb"], r["T"]): r for r in selection_check(result)}
+
+    def ratio(H, nb, T):
+        r = rows.get((H, nb, T))
+        return r and _ratio(r["inductor_us"], r["chosen_us"])
+
+    _heat_panels(result, path, ratio,
+                 text=lambda v: (f"{v:.1f}", "black" if v > 2.5 else "white"),
+                 outlined=lambda v: v < 2,  # below the issue's 2x
+                 cmap="viridis", vmin=1, vmax=8,
+                 colorbar="default Inductor us / k3fusion us (red: below 2x)",
+                 title="AttnRes step, k3fusion's chosen launch vs default Inductor")
 
 
 def peer_table(result: dict) -> str:
@@ -728,36 +741,18 @@ def peer_table(result: dict) -> str:
 def peer_heatmap(result: dict, path: Path) -> None:
     """PNG of the fastest peer's time over k3fusion's per (H, nb, T) (below 1/1.02, a
     public kernel more than 2% faster: outlined red), one panel per width."""
-    import matplotlib  # optional (the bench extra)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
     by = {(p["H"], p["nb"], p["T"]): p for p in result["points"]}
-    hiddens, blocks, tokens = result["hiddens"], result["num_blocks"], result["tokens"]
-    fig, axes = plt.subplots(1, len(hiddens), figsize=(4.2 * len(hiddens), 4.6), squeeze=False)
-    for ax, H in zip(axes[0], hiddens):
-        grid = np.full((len(blocks), len(tokens)), np.nan)
-        for i, nb in enumerate(blocks):
-            for j, T in enumerate(tokens):
-                speedup = (by.get((H, nb, T)) or {}).get("peer_speedup")
-                if speedup:
-                    grid[i, j] = 1 / speedup
-                    ax.text(j, i, f"{1 / speedup:.2f}", ha="center", va="center", fontsize=8)
-                    if speedup > peer_kernels.NOISE:
-                        ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
-                                                   edgecolor="red", linewidth=2))
-        im = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.5, aspect="auto")
-        ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
-        ax.set_yticks(range(len(blocks)), [str(nb) for nb in blocks])
-        ax.set(xlabel="tokens T", ylabel="completed blocks", title=f"H {H}")
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8,
-                 label="fastest peer us / k3fusion us (red: a peer over 2% faster)")
-    fig.suptitle(f"AttnRes step, k3fusion's chosen launch vs the fastest peer "
-                 f"({result.get('gpu')}, {result.get('date')}, bf16)")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+
+    def over_k3fusion(H, nb, T):
+        speedup = (by.get((H, nb, T)) or {}).get("peer_speedup")
+        return 1 / speedup if speedup else None
+
+    _heat_panels(result, path, over_k3fusion,
+                 text=lambda v: (f"{v:.2f}", "black"),
+                 outlined=lambda v: 1 / v > peer_kernels.NOISE,
+                 cmap="RdYlGn", vmin=0.8, vmax=1.5,
+                 colorbar="fastest peer us / k3fusion us (red: a peer over 2% faster)",
+                 title="AttnRes step, k3fusion's chosen launch vs the fastest peer")
 
 
 def _ratio(a, b):

@@ -515,10 +515,10 @@ def _fmt(v, spec: str = ".1f", none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
-def _matches(row: dict, sites: dict) -> str:
-    counts = row.get("k3fusion_matches")
+def _matches(row: dict, sites: dict, name: str = "k3fusion") -> str:
+    counts = row.get(f"{name}_matches")
     if counts is None:
-        return "reused" if row.get("k3fusion_compiled") is False else "-"
+        return "reused" if row.get(f"{name}_compiled") is False else "-"
     return ", ".join(f"{k} {counts.get(k, 0)}/{n}" for k, n in sites.items())
 
 
@@ -563,13 +563,10 @@ def markdown(result: dict) -> str:
             "|---|---:|---:|---:|---:|---|"]
         for r in result["rows"]:
             sp = r.get("ro_speedup_vs_inductor")
-            counts = r.get(f"{ro_k3}_matches")
-            matched = ("reused" if r.get(f"{ro_k3}_compiled") is False else "-") \
-                if counts is None else ", ".join(f"{k} {counts.get(k, 0)}/{n}"
-                                                for k, n in result["sites"].items())
             lines.append(f"| {r['step']} | {r['T']} | {_fmt(r.get(f'{ro_ind}_us'))} "
                          f"| {_fmt(r.get(f'{ro_k3}_us'))} "
-                         f"| {_fmt(sp, '.3f')}{'x' * (sp is not None)} | {matched} |")
+                         f"| {_fmt(sp, '.3f')}{'x' * (sp is not None)} "
+                         f"| {_matches(r, result['sites'], ro_k3)} |")
     lines += [
         "",
         f"Equivalence before timing, {len(result['seeds'])} seeds (weights and input drawn "

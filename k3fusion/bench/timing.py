@@ -41,17 +41,7 @@ def cuda_graph_us(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), 
             fn(*arg_sets[i % len(arg_sets)])
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
-    times.sort()
-    return times[len(times) // 2]
+    return _median_us(graph.replay, reps, calls_per_graph)
 
 
 def call_loop_us(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *,
@@ -64,13 +54,23 @@ def call_loop_us(fn: Callable[..., object], arg_sets: Sequence[tuple] = ((),), *
     for args in arg_sets[:3]:  # compile, record the trees' graphs
         fn(*args)
     torch.cuda.synchronize()
+
+    def run():
+        for i in range(calls):
+            fn(*arg_sets[i % len(arg_sets)])
+
+    return _median_us(run, reps, calls)
+
+
+def _median_us(run: Callable[[], object], reps: int, calls: int) -> float:
+    """Median over ``reps`` timed ``run()``s (CUDA events) of the microseconds per call,
+    ``run`` making ``calls`` calls."""
     times = []
     for _ in range(reps):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        for i in range(calls):
-            fn(*arg_sets[i % len(arg_sets)])
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
