@@ -232,8 +232,10 @@ def _print_table(report: dict[str, Any]) -> None:
 
 
 #: ``python -m k3fusion bench`` runs these, in this order: {name: module under k3fusion.bench}.
-#: Each fusion's benchmark is named as the fusion; the decoder step comes last.
-BENCHES = {**{f.name: f.name for f in FUSIONS}, "decoder": "decoder"}
+#: Each fusion's benchmark is named as the fusion; then AttnRes forward + backward (the
+#: training mode) and the decoder step.
+BENCHES = {**{f.name: f.name for f in FUSIONS}, "attn_res_train": "attn_res_train",
+           "decoder": "decoder"}
 #: The benchmarks that time peer kernels (``--peers DIR``): the fusions' own, one per op of
 #: ``bench.peers.OPS``.
 PEER_BENCHES = tuple(f.name for f in FUSIONS)

@@ -111,7 +111,7 @@ def test_bench_only_rejects_unknown_names(only, capsys):
         main(["bench", "--only", only])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "choose from qkv_rmsnorm,attn_res,moe_tail,decoder" in err and err.count("\n") == 1
+    assert "choose from qkv_rmsnorm,attn_res,moe_tail,attn_res_train,decoder" in err and err.count("\n") == 1
 
 
 def test_bench_runs_each_selected_benchmark_and_reports_failures(monkeypatch, capsys):
@@ -134,13 +134,15 @@ def test_bench_runs_each_selected_benchmark_and_reports_failures(monkeypatch, ca
     monkeypatch.setitem(sys.modules, "k3fusion.bench.attn_res",
                         fake("attn_res", SystemExit("attn_res broke")))
     monkeypatch.setitem(sys.modules, "k3fusion.bench.moe_tail", None)  # not there
+    monkeypatch.setitem(sys.modules, "k3fusion.bench.attn_res_train", fake("attn_res_train", 0))
     monkeypatch.setitem(sys.modules, "k3fusion.bench.decoder", fake("decoder", None))
     assert main(["bench", "--out", "o"]) == 1
-    assert calls == [(n, ["--out", "o"]) for n in ("qkv_rmsnorm", "attn_res", "decoder")]
+    assert calls == [(n, ["--out", "o"])
+                     for n in ("qkv_rmsnorm", "attn_res", "attn_res_train", "decoder")]
     captured = capsys.readouterr()
     assert "attn_res broke" in captured.err and "moe_tail: skipped" in captured.err
     assert ("bench summary: qkv_rmsnorm ok, attn_res FAILED (exit 1), moe_tail skipped "
-            "(k3fusion.bench.moe_tail is not there), decoder ok") in captured.out
+            "(k3fusion.bench.moe_tail is not there), attn_res_train ok, decoder ok") in captured.out
     calls.clear()
     assert main(["bench", "--only", "decoder,qkv_rmsnorm"]) == 0
     assert [n for n, _ in calls] == ["decoder", "qkv_rmsnorm"]
