@@ -45,6 +45,17 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+#: ``-n auto`` workers when a GPU is visible: every worker holds its own CUDA context and
+#: caches, and K3-width tests take up to 30 GB each (16 workers ran an H200 out of memory).
+GPU_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    if torch.cuda.is_available():
+        return min(GPU_WORKERS, os.cpu_count() or 1)
+    return None  # xdist's own choice: one per core
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

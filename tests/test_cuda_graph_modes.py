@@ -40,11 +40,11 @@ def _decode(model, compiled, tokens_list, steps, vocab) -> float:
     passes).
 
     Why over the steps: an 8-layer K3-width stack of random weights amplifies each
-    rounding (eager's bf16 logits are off the fp64 ones by up to 0.6), so the ratio of two
+    rounding (eager's bf16 logits are off the fp64 ones by up to 2.3), so the ratio of two
     such errors at one step is heavy-tailed. Measured on the H200 (2026-12-03, 40 steps):
     default Inductor's per-step ratio averages 0.38 of the bound and peaks at 0.63,
     k3fusion's 0.43 and 0.70, k3fusion without its q/kv fusion 0.44 and 1.05; no one
-    fusion carries the tail (docs/testing.md, "Model-level rule")."""
+    fusion carries the tail (docs/testing.md, "Model-level rule over decode steps")."""
     g = torch.Generator(device="cuda").manual_seed(0)
     oracle = copy.deepcopy(model).double()
     worst = 0.0
