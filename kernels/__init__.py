@@ -4,11 +4,11 @@ Launchers take already-validated 2-D row views and preallocated outputs; argumen
 checking and dispatch live in ``k3fusion.ops``. The fused latent-MoE tail
 (``latent_moe_tail_fused``, reached through ``k3fusion.moe_tail``'s tier registry)
 validates its own arguments and returns a new output.
+
+The package holds the modules, not their launchers (``kernels.attn_res`` is the module;
+its launcher is ``kernels.attn_res.attn_res``): no attribute shadows a module.
 """
 
-from .attn_res import attn_res
-from .qkv_rmsnorm import dual_rms_norm
-from .moe_tail import latent_moe_tail_fused
-from .rms_norm import rms_norm
+from . import attn_res, moe_tail, qkv_rmsnorm, rms_norm
 
-__all__ = ["attn_res", "dual_rms_norm", "latent_moe_tail_fused", "rms_norm"]
+__all__ = ["attn_res", "moe_tail", "qkv_rmsnorm", "rms_norm"]

@@ -32,8 +32,9 @@ from ._launch import (TL_DTYPES, kernels_are_interpreted, cdiv, launch_scratch,
                       gdc_launch_dependents, gdc_wait, interpreter_enabled, on_tensor_device)
 from .rms_norm import rms_norm
 
-__all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "latent_moe_tail_fused",
-           "check_fused_tail_args"]
+__all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "resolve_config",
+           "latent_moe_tail_fused", "check_fused_tail_args", "num_sms", "block_m_for",
+           "gemv_block_k"]
 
 #: Largest token count the kernel takes (``BLOCK_M``: T padded to a power of two, >= 16 for a dot).
 #: Tier selection stops earlier: at the implementation's measured limit
@@ -292,13 +293,14 @@ def _cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a fixed guess off CUDA)."""
     if device.type != "cuda":
         return _DEFAULT_SMS
     return _cuda_properties(_cuda_index(device)).multi_processor_count
 
 
-def _block_m(tokens: int, gemv: bool = False) -> int:
+def block_m_for(tokens: int, gemv: bool = False) -> int:
     """Rows of a program's tiles: T padded to a power of two, >= 16 (``tl.dot``'s minimum)
     unless the GEMV form runs (no dot)."""
     return max(1 if gemv else 16, triton.next_power_of_2(max(tokens, 1)))
@@ -312,7 +314,7 @@ GEMV_MAX_TOKENS = 1
 _GEMV_ACC_ELEMENTS = 8192
 
 
-def _gemv_block_k(block_n: int, block_m: int, latent: int) -> int:
+def gemv_block_k(block_n: int, block_m: int, latent: int) -> int:
     """The GEMV form's ``block_k``: the accumulator budget over the tile's other two dims."""
     l_pow2 = max(16, triton.next_power_of_2(latent))
     return min(max(16, _GEMV_ACC_ELEMENTS // (block_n * block_m)), l_pow2)
@@ -342,12 +344,12 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     two_byte = dtype in (torch.bfloat16, torch.float16)
     if gemv is None:
         gemv = two_byte and tokens <= GEMV_MAX_TOKENS
-    block_m = _block_m(tokens, gemv)
+    block_m = block_m_for(tokens, gemv)
     l_pow2 = max(16, triton.next_power_of_2(latent))
     norm_block_k = min(max(16, 8192 // block_m), l_pow2)  # 64 fp32 per thread
     if gemv:
         block_n = 32
-        block_k = _gemv_block_k(block_n, block_m, latent)
+        block_k = gemv_block_k(block_n, block_m, latent)
     else:
         block_n = 64
         block_k = min(256 if two_byte else 64, l_pow2)
@@ -356,12 +358,12 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     if tiles < 64:
         split_k = max(1, min(8, cdiv(num_sms, tiles), cdiv(latent, block_k)))
     # swap_ab: the weight tile as the dot's M side (docs/experiments.md), measured faster
-    # at BLOCK_M = 16 and 32, and only for tiles whose pipeline fits (_resolve_config).
+    # at BLOCK_M = 16 and 32, and only for tiles whose pipeline fits (resolve_config).
     if gemv:
         return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3,
                             split_k=split_k, norm_block_k=norm_block_k, gemv=True)
     # The rows normalized by a norm launch, the tail kernel its programmatic dependent: the
-    # second launch's start hides behind the first (_resolve_config drops it where PDL is
+    # second launch's start hides behind the first (resolve_config drops it where PDL is
     # absent).
     pdl = two_byte and block_m <= PDL_MAX_BLOCK_M and split_k == 1
     return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4,
@@ -405,10 +407,12 @@ def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
         raise ValueError(f"{name} must be a power of two, got {value}")
 
 
-def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
-                    num_stages=0, split_k=0, norm_block_k=0,
-                    swap_ab=None, gemv=None, prenorm=None, block_m=0,
-                    m_first=None, pdl=None, normed_rows=None) -> LaunchConfig:
+def resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
+                   num_stages=0, split_k=0, norm_block_k=0,
+                   swap_ab=None, gemv=None, prenorm=None, block_m=0,
+                   m_first=None, pdl=None, normed_rows=None) -> LaunchConfig:
+    """The launch config for these sizes: :func:`pick_launch_config`'s, with each nonzero
+    (or non-None) argument overriding its field after a range check."""
     _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
     _check_option("block_k", block_k, power_of_two=True, low=16, high=1024)
     _check_option("norm_block_k", norm_block_k, power_of_two=True, low=16, high=8192)
@@ -432,10 +436,10 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
              or any(v is not None for v in (swap_ab, gemv, prenorm, m_first, pdl, normed_rows)))
     if swap_ab is not None and gemv is None:
         gemv = False  # a dot operand order asked for (either one): the dot form
-    auto = pick_launch_config(tokens, hidden, latent, dtype, _num_sms(device), gemv)
+    auto = pick_launch_config(tokens, hidden, latent, dtype, num_sms(device), gemv)
     if auto.gemv and block_n and not block_k:
         # the accumulator budget over the block_n asked for, not the default's
-        block_k = _gemv_block_k(block_n, _block_m(tokens, True), latent)
+        block_k = gemv_block_k(block_n, block_m_for(tokens, True), latent)
     block_k = block_k or auto.block_k
     # No empty splits: split_k as the number of K ranges of ceil(L / split_k) columns.
     k_blocks = cdiv(latent, block_k)
@@ -449,7 +453,7 @@ def _resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0,
         # The swapped dot keeps every pipeline stage of the weight tile, and of the token
         # tile, in shared memory (wgmma reads both from there): where that would not fit,
         # do not swap.
-        rows = block_m or _block_m(tokens)
+        rows = block_m or block_m_for(tokens)
         swap_ab = (auto.swap_ab and (block_n + rows) * block_k * dtype.itemsize * num_stages
                    <= SWAP_AB_SMEM_BYTES)
     if not asked:
@@ -544,14 +548,14 @@ def latent_moe_tail_fused(
                           max_tokens=None if block_m else MAX_TOKENS)
     tokens, latent = routed_latent.shape
     hidden = up_w.shape[0]
-    cfg = _resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
+    cfg = resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
                           block_k, num_warps, num_stages, split_k, norm_block_k,
                           swap_ab, gemv, prenorm, block_m, m_first, pdl, normed_rows)
     out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
         return out
     interpreted = routed_latent.device.type == "cpu"
-    block_m = cfg.block_m or _block_m(tokens, cfg.gemv)
+    block_m = cfg.block_m or block_m_for(tokens, cfg.gemv)
     m_tiles = cdiv(tokens, block_m)
     tiles = cdiv(hidden, cfg.block_n)
     k_per_split = cdiv(cdiv(latent, cfg.block_k), cfg.split_k) * cfg.block_k

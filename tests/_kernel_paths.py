@@ -24,17 +24,23 @@ def cpu_path(path: str):
         yield
 
 
+#: Each launcher the ops call, and its module under ``k3fusion.kernels``.
+LAUNCHER_MODULES = {"attn_res": "attn_res", "dual_rms_norm": "qkv_rmsnorm",
+                    "rms_norm": "rms_norm", "latent_moe_tail_fused": "moe_tail"}
+
+
 @contextlib.contextmanager
 def spy_on_launcher(name: str, record: str):
-    """Record, per call of ``k3fusion.kernels.<name>`` (the launcher the ops import), the
-    value of its keyword argument ``record``."""
+    """Record, per call of launcher ``name`` (``k3fusion.kernels.<module>.<name>``, looked
+    up there by the ops at each call), the value of its keyword argument ``record``."""
     calls = []
-    real = getattr(k3fusion.kernels, name)
+    module = getattr(k3fusion.kernels, LAUNCHER_MODULES[name])
+    real = getattr(module, name)
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get(record))
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(k3fusion.kernels, name, spy)
+        mp.setattr(module, name, spy)
         yield calls

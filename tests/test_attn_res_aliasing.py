@@ -114,8 +114,8 @@ def test_unaliased_arguments_keep_one_launch(monkeypatch):
     import k3fusion.kernels
 
     launches = []
-    real = k3fusion.kernels.attn_res
-    monkeypatch.setattr(k3fusion.kernels, "attn_res",
+    real = k3fusion.kernels.attn_res.attn_res
+    monkeypatch.setattr(k3fusion.kernels.attn_res, "attn_res",
                         lambda *a, **k: launches.append(k) or real(*a, **k))
     norm_w, proj_w = (w.to(DEVICE) for w in _weights())
     prefix, blocks, delta = (torch.randn(*shape, device=DEVICE)

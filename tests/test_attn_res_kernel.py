@@ -545,11 +545,9 @@ def test_pipelined_source_loop_only_where_its_buffers_fit(monkeypatch, hidden, d
     """The automatic prefill shape pipelines the source loop only while its shared-memory
     buffers stay within LOOP_SMEM_BYTES (wider rows would not compile: out of resources);
     a forced loop_stages is taken as given."""
-    import importlib
-
     import triton
 
-    mod = importlib.import_module("k3fusion.kernels.attn_res")  # the module, not the function
+    from k3fusion.kernels import attn_res as mod
     seen = []
 
     class Spy:
@@ -765,9 +763,7 @@ def test_split_kernel_one_program_per_token(num_blocks: int, out_norm: str) -> N
 def test_split_kernel_one_program_per_token_is_one_launch(monkeypatch) -> None:
     """The one-program form is one launch of PHASE 0 (no separate phases, in the
     interpreter too); wider rows keep the phased form here."""
-    import importlib
-
-    mod = importlib.import_module("k3fusion.kernels.attn_res")  # the module, not the function
+    from k3fusion.kernels import attn_res as mod
     phases = []
     kernel = mod._attn_res_split_kernel
 
@@ -969,12 +965,9 @@ class TestAttnResCuda:
         """Captured once, replayed several times: the graph owns its words (allocated and
         zeroed in the capture, ``_launch.launch_scratch``), each of its launches adds one
         epoch to a token's counter, and the output stays right."""
-        import importlib
-
+        from k3fusion.kernels import attn_res as kernel_mod
         from k3fusion.kernels.attn_res import SYNC_EPOCH
 
-        kernel_mod = importlib.import_module("k3fusion.kernels.attn_res")  # (the package
-        # attribute of that name is the launcher)
         c = replace(_K3, T=3, H=7168, num_blocks=8, nb_max=9, write_idx=-1, chunk=512,
                     inplace=False)
         x = make_inputs(c, 5, "cuda")

@@ -49,17 +49,17 @@ def test_sources_first_bank_equals_sources_last(tokens, dtype):
 
 def test_sources_first_view_is_not_copied(monkeypatch):
     """The launcher gets the caller's storage: the bank view's block stride reaches it."""
-    import k3fusion.kernels as kernels
+    from k3fusion.kernels import attn_res as kernel_module
 
     seen = {}
-    real = kernels.attn_res
+    real = kernel_module.attn_res
 
     def spy(prefix, blocks, *a, **k):
         seen["stride"] = blocks.stride()
         seen["ptr"] = blocks.data_ptr()
         return real(prefix, blocks, *a, **k)
 
-    monkeypatch.setattr(kernels, "attn_res", spy)
+    monkeypatch.setattr(kernel_module, "attn_res", spy)
     prefix, bank, n, nw, pw = _case("sources-first", (2, 3), 9, 8, 32, torch.float32)
     from k3fusion.kernels._launch import interpreter_enabled
     if not interpreter_enabled():

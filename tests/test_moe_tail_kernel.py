@@ -332,23 +332,23 @@ def test_launch_config_heuristic():
     assert not kernel_mod.pick_launch_config(33, 7168, 3584, torch.bfloat16, 132).swap_ab
     # ... and not where its weight-tile stages would not fit in shared memory
     cpu = torch.device("cpu")
-    big = kernel_mod._resolve_config(4, 7168, 3584, torch.bfloat16, cpu, block_n=128)
+    big = kernel_mod.resolve_config(4, 7168, 3584, torch.bfloat16, cpu, block_n=128)
     assert not big.swap_ab and big.block_n * big.block_k * 2 * big.num_stages > \
         kernel_mod.SWAP_AB_SMEM_BYTES
-    assert kernel_mod._resolve_config(4, 7168, 3584, torch.bfloat16, cpu, block_n=128,
-                                      swap_ab=True).swap_ab  # forced: as asked
+    assert kernel_mod.resolve_config(4, 7168, 3584, torch.bfloat16, cpu, block_n=128,
+                                     swap_ab=True).swap_ab  # forced: as asked
     # the token tile's stages count too: 32 rows at 4 stages swap (192 KiB), at 5 not
     # (240 KiB: over sm_90's 227 KiB per block)
-    assert kernel_mod._resolve_config(20, 7168, 3584, torch.bfloat16, cpu).swap_ab
-    assert not kernel_mod._resolve_config(20, 7168, 3584, torch.bfloat16, cpu,
-                                          num_stages=5).swap_ab
-    assert kernel_mod._resolve_config(16, 7168, 3584, torch.bfloat16, cpu, num_stages=5).swap_ab
+    assert kernel_mod.resolve_config(20, 7168, 3584, torch.bfloat16, cpu).swap_ab
+    assert not kernel_mod.resolve_config(20, 7168, 3584, torch.bfloat16, cpu,
+                                         num_stages=5).swap_ab
+    assert kernel_mod.resolve_config(16, 7168, 3584, torch.bfloat16, cpu, num_stages=5).swap_ab
     small = kernel_mod.pick_launch_config(4, 512, 3584, torch.bfloat16, 132)
     assert small.block_n == 64 and small.split_k == 8  # 8 tiles: split K to reach the SMs
     assert kernel_mod.pick_launch_config(1, 64, 20, torch.float32).block_k == 32
     # split_k never leaves a split without K blocks
-    r = kernel_mod._resolve_config(4, 64, 100, torch.bfloat16, torch.device("cpu"), 16, 32,
-                                   split_k=8)
+    r = kernel_mod.resolve_config(4, 64, 100, torch.bfloat16, torch.device("cpu"), 16, 32,
+                                  split_k=8)
     assert r.split_k == 4 and (r.block_n, r.block_k, r.norm_block_k) == (16, 32, 128)
     assert kernel_mod.pick_launch_config(16, 7168, 3584, torch.bfloat16).norm_block_k == 512
     assert kernel_mod.pick_launch_config(64, 7168, 3584, torch.bfloat16).norm_block_k == 128
@@ -369,7 +369,7 @@ def test_launch_config_takes_the_norm_launch_form_from_2_to_32_rows(monkeypatch)
                 pick(4, 7168, 3584, torch.float32, 132),       # fp32 weights
                 pick(4, 512, 3584, torch.bfloat16, 132)):      # split-K (8 tiles)
         assert not (cfg.normed_rows or cfg.prenorm or cfg.pdl), cfg
-    resolve = kernel_mod._resolve_config
+    resolve = kernel_mod.resolve_config
     cpu = torch.device("cpu")
     auto = resolve(4, 7168, 3584, torch.bfloat16, cpu)
     assert auto.normed_rows and auto.pdl  # the interpreter runs the launches in turn
@@ -399,21 +399,21 @@ def test_launch_config_takes_the_gemv_form_for_one_16_bit_token():
     # Forced at more tokens: the accumulator stays at 8K elements, T padded to 4, not 16.
     four = pick(3, 7168, 3584, torch.bfloat16, 132, gemv=True)
     assert four.gemv and (four.block_n, four.block_k, four.norm_block_k) == (32, 64, 2048)
-    assert kernel_mod._block_m(3, True) == 4 and kernel_mod._block_m(3) == 16
-    assert kernel_mod._block_m(0, True) == 1
+    assert kernel_mod.block_m_for(3, True) == 4 and kernel_mod.block_m_for(3) == 16
+    assert kernel_mod.block_m_for(0, True) == 1
     cpu = torch.device("cpu")
     # forced off at T = 1: the swapped dot, as before; so is asking for a dot operand order
-    assert kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, gemv=False).swap_ab
+    assert kernel_mod.resolve_config(1, 7168, 3584, torch.bfloat16, cpu, gemv=False).swap_ab
     for order in (True, False):
-        forced = kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, swap_ab=order)
+        forced = kernel_mod.resolve_config(1, 7168, 3584, torch.bfloat16, cpu, swap_ab=order)
         assert forced.swap_ab is order and not forced.gemv
     # a block_n asked for keeps the accumulator budget (block_k follows it)
-    wide = kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, block_n=64)
+    wide = kernel_mod.resolve_config(1, 7168, 3584, torch.bfloat16, cpu, block_n=64)
     assert wide.gemv and wide.block_n * wide.block_k == 8192
-    assert kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, block_n=64,
-                                      block_k=32).block_k == 32  # as asked
+    assert kernel_mod.resolve_config(1, 7168, 3584, torch.bfloat16, cpu, block_n=64,
+                                     block_k=32).block_k == 32  # as asked
     with pytest.raises(ValueError, match="swap_ab=True.*gemv=True"):
-        kernel_mod._resolve_config(1, 7168, 3584, torch.bfloat16, cpu, swap_ab=True, gemv=True)
+        kernel_mod.resolve_config(1, 7168, 3584, torch.bfloat16, cpu, swap_ab=True, gemv=True)
 
 
 # ============================================================================ bad arguments
@@ -704,8 +704,8 @@ def test_cuda_pdl_forms_never_read_a_stale_prologue(tokens, opts):
     rows' (a missing or misplaced wait reads the prologue buffer of an earlier call)."""
     x, s, w, up = _k3_inputs(tokens, seed=20)
     if not opts:
-        assert kernel_mod._resolve_config(tokens, K3_HIDDEN, K3_LATENT, torch.bfloat16,
-                                          x.device).pdl, "the default is a PDL form"
+        assert kernel_mod.resolve_config(tokens, K3_HIDDEN, K3_LATENT, torch.bfloat16,
+                                         x.device).pdl, "the default is a PDL form"
     src = x.clone()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

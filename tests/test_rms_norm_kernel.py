@@ -197,9 +197,7 @@ def test_copy_rides_the_norm_launch(rows, width, copy_width, copy_tile, src_pad,
     """``copy=(src, dst)``: ``dst`` is ``src`` bit for bit (strided rows on both sides, the
     copy tile narrower than a row: the column loop), the columns beside ``dst``'s view are
     not written, and the norm is the plain launch's bit for bit."""
-    import importlib
-
-    mod = importlib.import_module("k3fusion.kernels.rms_norm")
+    from k3fusion.kernels import rms_norm as mod
     with pytest.MonkeyPatch.context() as mp:
         if copy_tile:
             mp.setattr(mod, "_COPY_TILE", copy_tile)

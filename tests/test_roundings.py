@@ -40,9 +40,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3fusion.kernels import dual_rms_norm as dual_launch
-from k3fusion.kernels import latent_moe_tail_fused as tail_launch
-from k3fusion.kernels import rms_norm as norm_launch
+from k3fusion.kernels.moe_tail import latent_moe_tail_fused as tail_launch
+from k3fusion.kernels.qkv_rmsnorm import dual_rms_norm as dual_launch
+from k3fusion.kernels.rms_norm import rms_norm as norm_launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter converts fp32 -> bf16 by truncation (toward zero).

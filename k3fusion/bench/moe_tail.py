@@ -25,8 +25,8 @@ import torch
 
 import k3fusion
 from k3fusion import reference
-from k3fusion.kernels.moe_tail import (MAX_TOKENS, LaunchConfig, _block_m, _gemv_block_k,
-                                       _num_sms, _resolve_config, pick_launch_config)
+from k3fusion.kernels.moe_tail import (MAX_TOKENS, LaunchConfig, block_m_for, gemv_block_k,
+                                       num_sms, resolve_config, pick_launch_config)
 from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
 
 from . import peers as peer_kernels
@@ -134,10 +134,10 @@ def config_label(cfg) -> str:
 
 def _sweep(t: int, sets) -> dict:
     """``{label: us}`` over the grid, the default config's label, and the fastest."""
-    sms = _num_sms(torch.device(DEVICE))
+    sms = num_sms(torch.device(DEVICE))
     # the default as a call with no options runs it (the PDL norm-launch form where it runs);
     # the grid: the one-launch form (each program its own norm prologue)
-    default = _resolve_config(t, HIDDEN, LATENT, DTYPE, torch.device(DEVICE))
+    default = resolve_config(t, HIDDEN, LATENT, DTYPE, torch.device(DEVICE))
     dot_default = replace(pick_launch_config(t, HIDDEN, LATENT, DTYPE, sms, gemv=False),
                           prenorm=False, pdl=False, normed_rows=False)
     ref = tail(*sets[0])
@@ -161,10 +161,10 @@ def _sweep(t: int, sets) -> dict:
         # The operand order: as given, else what the launcher would pick for this shape
         # (it swaps only where the weight-tile stages fit in shared memory).
         if swap_ab is None:
-            swap_ab = _resolve_config(t, HIDDEN, LATENT, DTYPE, torch.device(DEVICE),
-                                      cfg.block_n, cfg.block_k, cfg.num_warps,
-                                      cfg.num_stages, cfg.split_k, cfg.norm_block_k,
-                                      gemv=cfg.gemv).swap_ab
+            swap_ab = resolve_config(t, HIDDEN, LATENT, DTYPE, torch.device(DEVICE),
+                                     cfg.block_n, cfg.block_k, cfg.num_warps,
+                                     cfg.num_stages, cfg.split_k, cfg.norm_block_k,
+                                     gemv=cfg.gemv).swap_ab
         cfg = replace(cfg, swap_ab=swap_ab)
         label = config_label(cfg)
         if label not in times:
@@ -179,7 +179,7 @@ def _sweep(t: int, sets) -> dict:
         for bn, nw, ns in itertools.product(SWEEP_GEMV_BLOCK_N, SWEEP_GEMV_WARPS,
                                             SWEEP_GEMV_STAGES):
             # the same accumulator budget: block_k shrinks as block_n grows
-            add(replace(gemv, block_n=bn, block_k=_gemv_block_k(bn, _block_m(t, True), LATENT),
+            add(replace(gemv, block_n=bn, block_k=gemv_block_k(bn, block_m_for(t, True), LATENT),
                         num_warps=nw, num_stages=ns))
     fastest = sorted((v, k) for k, v in times.items() if v == v)[:3]
     for _, label in fastest:

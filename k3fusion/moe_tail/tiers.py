@@ -504,9 +504,10 @@ def _triton_supports(tokens: int, hidden: int, tp: int, device: torch.device) ->
 
 def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype=None):
     # tp == 1 (supports() said so): a one-rank group's all-reduces are identities. The
-    # launcher is looked up per call: the tests spy on the package's attribute.
-    return kernels.latent_moe_tail_fused(routed, shared, norm_w, eps, up_w,
-                                         weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype)
+    # launcher is looked up per call: the tests spy on the module's attribute.
+    return kernels.moe_tail.latent_moe_tail_fused(routed, shared, norm_w, eps, up_w,
+                                                  weight_in_fp32=weight_in_fp32,
+                                                  norm_dtype=norm_dtype)
 
 
 #: Largest T at which selection picks the tp = 1 kernel over the two-launch unfused form

@@ -143,11 +143,12 @@ def _attn_res_out(prefix: torch.Tensor, out_norm_w, out_weight_in_fp32: bool) ->
 
 def _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, delta, prefix_out,
                      block_write_idx, out_norm_w, out_eps, out_weight_in_fp32) -> None:
-    # ``kernels.attn_res`` is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
-    kernels.attn_res(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, as_rows(out),
-                     delta=None if delta is None else as_rows(delta), prefix_out=prefix_out,
-                     block_write_idx=block_write_idx, out_norm_w=out_norm_w, out_eps=out_eps,
-                     out_weight_in_fp32=out_weight_in_fp32)
+    # The launcher is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
+    kernels.attn_res.attn_res(
+        prefix2, blocks3, num_blocks, norm_w, proj_w, eps, as_rows(out),
+        delta=None if delta is None else as_rows(delta), prefix_out=prefix_out,
+        block_write_idx=block_write_idx, out_norm_w=out_norm_w, out_eps=out_eps,
+        out_weight_in_fp32=out_weight_in_fp32)
 
 
 # ---------------------------------------------------------------- in place: the spec

@@ -66,8 +66,8 @@ def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False
         return y1.contiguous(), y2.contiguous()
     y1 = new_norm_output(x1, w1, weight_in_fp32_1)
     y2 = new_norm_output(x2, w2, weight_in_fp32_2)
-    # ``kernels.dual_rms_norm`` is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
-    kernels.dual_rms_norm(
+    # The launcher is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
+    kernels.qkv_rmsnorm.dual_rms_norm(
         as_rows(x1), w1, eps1, as_rows(x2), w2, eps2, as_rows(y1), as_rows(y2),
         weight_in_fp32_1, weight_in_fp32_2,
         rows_per_program=dual_norm_rows_for_widths(get_config(), x1.shape[-1], x2.shape[-1]),

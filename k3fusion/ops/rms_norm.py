@@ -47,8 +47,8 @@ def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
         # Same layout as the fake impl promises (the reference keeps permuted inputs' strides).
         return reference.rms_norm(x, w, eps, weight_in_fp32, norm_dtype).contiguous()
     y = new_norm_output(x, w, weight_in_fp32, norm_dtype)
-    # ``kernels.rms_norm`` is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
-    kernels.rms_norm(as_rows(x), w, eps, as_rows(y), weight_in_fp32=weight_in_fp32,
+    # The launcher is looked up per call: tests swap in a spy (tests/_kernel_paths.py).
+    kernels.rms_norm.rms_norm(as_rows(x), w, eps, as_rows(y), weight_in_fp32=weight_in_fp32,
                      norm_dtype=norm_dtype)
     return y
 
@@ -97,8 +97,8 @@ def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
         return y, other.clone(memory_format=torch.contiguous_format)
     y = new_norm_output(x, w, weight_in_fp32, norm_dtype)
     out = other.new_empty(other.shape)
-    kernels.rms_norm(as_rows(x), w, eps, as_rows(y), weight_in_fp32=weight_in_fp32,
-                     norm_dtype=norm_dtype, copy=(as_rows(other), out.view(-1, other.shape[-1])))
+    kernels.rms_norm.rms_norm(as_rows(x), w, eps, as_rows(y), weight_in_fp32=weight_in_fp32,
+                              norm_dtype=norm_dtype, copy=(as_rows(other), out.view(-1, other.shape[-1])))
     return y, out
 
 
