@@ -56,7 +56,7 @@ def _tail_out_dtype(routed_latent, shared, norm_w, up_w, weight_in_fp32: bool,
 
 
 @torch.library.custom_op("k3fusion::latent_moe_tail", mutates_args=())
-def latent_moe_tail(
+def latent_moe_tail_op(
     routed_latent: torch.Tensor,
     shared: torch.Tensor,
     norm_w: torch.Tensor,
@@ -78,7 +78,7 @@ def latent_moe_tail(
     raise NotImplementedError(f"k3fusion::latent_moe_tail has no kernel for {shared.device.type}")
 
 
-@latent_moe_tail.register_fake
+@latent_moe_tail_op.register_fake
 def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
       eps_tensor=None, norm_dtype=None):
     _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
@@ -88,7 +88,7 @@ def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False
 
 
 # One implementation for both devices: the tiers pick the CPU or CUDA path themselves.
-@latent_moe_tail.register_kernel(("cpu", "cuda"))
+@latent_moe_tail_op.register_kernel(("cpu", "cuda"))
 def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
       eps_tensor=None, norm_dtype=None):
     _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
@@ -104,8 +104,6 @@ def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False
     return y
 
 
-
-
 def _tail_formula(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
                   eps_tensor=None, norm_dtype=None):
     if group_name is not None:
@@ -117,9 +115,7 @@ def _tail_formula(routed_latent, shared, norm_w, eps, up_w, group_name, weight_i
                                      weight_in_fp32, norm_dtype)
 
 
-differentiate_by_reference(latent_moe_tail, _tail_formula)
-
-_latent_moe_tail_op = latent_moe_tail
+differentiate_by_reference(latent_moe_tail_op, _tail_formula)
 
 
 def latent_moe_tail(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,

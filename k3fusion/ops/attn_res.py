@@ -155,7 +155,7 @@ def _attn_res_launch(prefix2, blocks3, num_blocks, norm_w, proj_w, eps, out, del
 
 
 @torch.library.custom_op("k3fusion::attn_res_", mutates_args=("prefix", "blocks"))
-def attn_res_(
+def attn_res_inplace_op(
     prefix: torch.Tensor,
     blocks: torch.Tensor,
     num_blocks: int,
@@ -191,7 +191,7 @@ def _inplace_views(prefix, blocks, delta, block_write_idx):
     return prefix2, _block_rows(blocks, prefix2.shape[0], block_write_idx >= 0)
 
 
-@attn_res_.register_fake
+@attn_res_inplace_op.register_fake
 def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,
       out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
     check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
@@ -280,7 +280,7 @@ def _write_in_spec_order(prefix, prefix2, blocks, delta, block_write_idx) -> Non
         slot.copy_(prefix.clone() if _may_overlap(slot, prefix) else prefix)
 
 
-@attn_res_.register_kernel(("cpu", "cuda"))
+@attn_res_inplace_op.register_kernel(("cpu", "cuda"))
 def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,
       out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
     check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
@@ -308,7 +308,7 @@ def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_i
 
 
 @torch.library.custom_op("k3fusion::attn_res", mutates_args=())
-def attn_res(
+def attn_res_op(
     prefix: torch.Tensor,
     blocks: torch.Tensor,
     num_blocks: int,
@@ -338,7 +338,7 @@ def _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, ou
     check_eps_tensor(out_eps_tensor, "out_eps_tensor")
 
 
-@attn_res.register_fake
+@attn_res_op.register_fake
 def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=None,
       out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
     _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
@@ -349,7 +349,7 @@ def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=No
     return [out, torch.empty_like(prefix, memory_format=torch.contiguous_format)]
 
 
-@attn_res.register_kernel(("cpu", "cuda"))
+@attn_res_op.register_kernel(("cpu", "cuda"))
 def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=None,
       out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None, out_eps_tensor=None):
     _check_functional(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w,
@@ -384,7 +384,6 @@ def _(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, out_norm_w=No
 # the caller wrote them and the caller's grad mode.
 
 
-
 def _attn_res_formula(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None,
                       out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False, eps_tensor=None,
                       out_eps_tensor=None):
@@ -398,9 +397,7 @@ def _attn_res_formula(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=Non
     return [out] if delta is None else [out, rows.view(prefix.shape)]
 
 
-differentiate_by_reference(attn_res, _attn_res_formula)
-
-_attn_res_inplace_op, _attn_res_functional_op = attn_res_, attn_res
+differentiate_by_reference(attn_res_op, _attn_res_formula)
 
 
 def attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,

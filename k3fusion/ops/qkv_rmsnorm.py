@@ -25,7 +25,7 @@ def _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor=None, eps2_tensor=None) 
 
 
 @torch.library.custom_op("k3fusion::dual_rms_norm", mutates_args=())
-def dual_rms_norm(
+def dual_rms_norm_op(
     x1: torch.Tensor,
     w1: torch.Tensor,
     eps1: float,
@@ -46,14 +46,14 @@ def dual_rms_norm(
     raise NotImplementedError(f"k3fusion::dual_rms_norm has no kernel for {x1.device.type}")
 
 
-@dual_rms_norm.register_fake
+@dual_rms_norm_op.register_fake
 def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
       eps1_tensor=None, eps2_tensor=None):
     _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
     return new_norm_output(x1, w1, weight_in_fp32_1), new_norm_output(x2, w2, weight_in_fp32_2)
 
 
-@dual_rms_norm.register_kernel(("cpu", "cuda"))
+@dual_rms_norm_op.register_kernel(("cpu", "cuda"))
 def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
       eps1_tensor=None, eps2_tensor=None):
     _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
@@ -75,8 +75,6 @@ def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False
     return y1, y2
 
 
-
-
 def _dual_formula(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
                   eps1_tensor=None, eps2_tensor=None):
     return reference.dual_rms_norm(x1, w1, eps_value(eps1, eps1_tensor, "eps1_tensor"), x2, w2,
@@ -84,9 +82,7 @@ def _dual_formula(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_
                                    weight_in_fp32_1, weight_in_fp32_2)
 
 
-differentiate_by_reference(dual_rms_norm, _dual_formula)
-
-_dual_rms_norm_op = dual_rms_norm
+differentiate_by_reference(dual_rms_norm_op, _dual_formula)
 
 
 def dual_rms_norm(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,

@@ -26,21 +26,21 @@ def _check(x, w, eps, weight_in_fp32, norm_dtype) -> None:
 
 
 @torch.library.custom_op("k3fusion::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_in_fp32: bool = False,
-             norm_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def rms_norm_op(x: torch.Tensor, w: torch.Tensor, eps: float, weight_in_fp32: bool = False,
+                norm_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``k3fusion.reference.rms_norm`` in one Triton launch (the fp32 sum of squares in
     another order than torch's ``mean``: within that rounding of the reference).
     ``norm_dtype``: cast-then-weight's rounding dtype when it is not ``x``'s."""
     raise NotImplementedError(f"k3fusion::rms_norm has no kernel for {x.device.type}")
 
 
-@rms_norm.register_fake
+@rms_norm_op.register_fake
 def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
     _check(x, w, eps, weight_in_fp32, norm_dtype)
     return new_norm_output(x, w, weight_in_fp32, norm_dtype)
 
 
-@rms_norm.register_kernel(("cpu", "cuda"))
+@rms_norm_op.register_kernel(("cpu", "cuda"))
 def _(x, w, eps, weight_in_fp32=False, norm_dtype=None):
     _check(x, w, eps, weight_in_fp32, norm_dtype)
     if not runs_kernel(x):
@@ -98,13 +98,12 @@ def _(x, w, eps, other, weight_in_fp32=False, norm_dtype=None):
     y = new_norm_output(x, w, weight_in_fp32, norm_dtype)
     out = other.new_empty(other.shape)
     kernels.rms_norm.rms_norm(as_rows(x), w, eps, as_rows(y), weight_in_fp32=weight_in_fp32,
-                              norm_dtype=norm_dtype, copy=(as_rows(other), out.view(-1, other.shape[-1])))
+                              norm_dtype=norm_dtype,
+                              copy=(as_rows(other), out.view(-1, other.shape[-1])))
     return y, out
 
 
-differentiate_by_reference(rms_norm, reference.rms_norm)
-
-_rms_norm_op = rms_norm
+differentiate_by_reference(rms_norm_op, reference.rms_norm)
 
 
 def rms_norm(x, w, eps, weight_in_fp32=False, norm_dtype=None):
