@@ -18,10 +18,12 @@ from ..patterns.registry import FUSIONS
 from .patcher import Patcher
 
 #: When a patched module runs its fused kernels, in :attr:`PatchReport.notes`.
-FUSED_WHEN = ("patched modules run their fused kernels only where autograd records nothing "
-              "(torch.no_grad(), or no input or parameter requires grad), outside autocast "
-              "and torch.compile; the q/kv norms also not in torch.inference_mode() (no "
-              "version counters). Otherwise the original modules run (docs/eager.md).")
+FUSED_WHEN = ("patched modules run their fused kernels outside autocast and torch.compile; "
+              "AttnRes and the MoE tail only where autograd records nothing "
+              "(torch.no_grad(), or no input or parameter requires grad), the q/kv norms "
+              "also while it records (their op has a backward) but not in "
+              "torch.inference_mode() (no version counters). Otherwise the original "
+              "modules run (docs/eager.md).")
 
 
 @dataclass
@@ -92,8 +94,9 @@ def patch_model(model: nn.Module) -> PatchReport:
       is skipped with the reason.
 
     Training: while autograd records (grad mode on and an input or parameter requires
-    grad) the patched modules run the original ones, so a backward pass is exact; the
-    fused kernels have no backward (see ``PatchReport.notes`` and ``docs/eager.md``).
+    grad) the q/kv pair runs its fused op, whose backward is the reference formula's, and
+    AttnRes and the tail run the original modules (their in-place and tier paths have no
+    backward); see ``PatchReport.notes`` and ``docs/eager.md``.
 
     Idempotent. Returns a :class:`PatchReport` naming what was patched and what was
     skipped and why.

@@ -18,7 +18,7 @@ from torch import nn
 from .. import reference
 from ..ops import check_rms_norm_args
 from ..patterns.qkv_rmsnorm import FUSION_NAME
-from ._guards import records_grad, SeenTensor
+from ._guards import SeenTensor
 from ._norm_spec import CheckedSpec, rms_norm_spec, why_not_standard
 from .patcher import Patcher
 
@@ -153,8 +153,8 @@ class _QKVPrefetch:
             m._k3fusion_prefetch = self
 
     def _fusable(self, x: torch.Tensor) -> bool:
-        return (isinstance(x, torch.Tensor) and _can_fuse(x)
-                and not records_grad((x,), self.original))
+        # While autograd records too: the pair's op has a backward (the reference's).
+        return isinstance(x, torch.Tensor) and _can_fuse(x)
 
     def _specs_hold(self, used=None) -> bool:
         """Both norms are still of the standard kind (their specs follow any change) --
