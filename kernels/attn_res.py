@@ -18,7 +18,9 @@ and what it requires), the interpreter's form: docs/design-notes.md, "kernels/at
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -636,16 +638,8 @@ def attn_res(
     out_norm_w: torch.Tensor | None = None,
     out_eps: float = 1e-6,
     out_weight_in_fp32: bool = False,
-    prefill_tokens: int | None = None,
-    sources_per_tile: int = 0,
-    num_warps: int = 0,
-    kind: str = "auto",
-    chunk: int = 0,
-    split_max_tokens: int | None = None,
+    shape: LaunchShape | Mapping[str, Any] | None = None,
     split_phases: bool = False,
-    loop_stages: int = 0,
-    early_tile: bool | None = None,
-    use_table: bool = True,
     words: torch.Tensor | None = None,
 ) -> None:
     """Launch the AttnRes kernel on row views.
@@ -657,9 +651,10 @@ def attn_res(
     >= 0`` writes that row into ``blocks[:, block_write_idx]``.
 
     Arguments are validated by the caller (``k3fusion.ops``); this only checks what the
-    kernel itself needs. ``prefill_tokens``, ``sources_per_tile``, ``num_warps``,
-    ``kind``, ``chunk``, ``split_max_tokens``, ``loop_stages``, ``early_tile`` and
-    ``use_table`` override :func:`pick_launch_shape` (benchmark sweeps, tests); ``split_phases`` runs the split kernel as separate launches
+    kernel itself needs. ``shape`` (benchmark sweeps, tests): the launch shape to use, or
+    :func:`pick_launch_shape`'s overrides as a mapping (``{"kind": "row",
+    "sources_per_tile": 2}``); None: its own choice. ``split_phases`` runs the split
+    kernel as separate launches
     (one launch per phase, three with an output norm: what the interpreter always does;
     a GPU test compares the two forms). ``words`` (tests of the exchange protocol): the
     split kernel's words, given (at least ``T`` x words per token, int64) instead of fresh
@@ -682,11 +677,9 @@ def attn_res(
     write = block_write_idx >= 0
     if write and not num_blocks <= block_write_idx < nb_max:
         raise ValueError(f"block_write_idx {block_write_idx} outside [{num_blocks}, {nb_max})")
-    shape = pick_launch_shape(T, H, num_blocks, prefill_tokens=prefill_tokens,
-                              sources_per_tile=sources_per_tile, num_warps=num_warps,
-                              kind=kind, chunk=chunk, split_max_tokens=split_max_tokens,
-                              loop_stages=loop_stages, element_size=blocks.element_size(),
-                              early_tile=early_tile, use_table=use_table)
+    if not isinstance(shape, LaunchShape):
+        shape = pick_launch_shape(T, H, num_blocks, element_size=blocks.element_size(),
+                                  **(shape or {}))
     has_delta = delta is not None
     has_norm = out_norm_w is not None
     common = (

@@ -271,7 +271,7 @@ def check_mix_and_norm(c: Case, new_prefix: torch.Tensor, blocks: torch.Tensor,
         mix = kernel_mix
     else:
         mix = torch.empty(new_prefix.shape, device=device, dtype=c.dtype)
-        launch(new_prefix, blocks, c.num_blocks, norm_w, proj_w, c.eps, mix, **c.shape)
+        launch(new_prefix, blocks, c.num_blocks, norm_w, proj_w, c.eps, mix, shape=c.shape)
     expected_mix = reference.attn_res(new_prefix.clone(), blocks.clone(), c.num_blocks, norm_w,
                                       proj_w, c.eps)
     if c.num_blocks == 0:
@@ -319,7 +319,7 @@ def run_and_check(c: Case, seed: int, *, bf16_casts_truncate: bool = INTERPRETED
     launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, c.eps, out,
            delta=x.delta, prefix_out=prefix_out if c.has_delta else None,
            block_write_idx=c.write_idx, out_norm_w=x.out_norm_w, out_eps=c.out_eps,
-           out_weight_in_fp32=c.out_norm == "fp32w", **c.shape)
+           out_weight_in_fp32=c.out_norm == "fp32w", shape=c.shape)
 
     msg = str(c)
     # Inputs the kernel only reads.
@@ -504,7 +504,7 @@ def test_softmax_is_sharp_and_flat() -> None:
     x.blocks[2, :5] = x.prefix[2]
     out = torch.empty_like(x.prefix)
     for shape in EVERY_SHAPE:
-        launch(x.prefix, x.blocks, 5, x.norm_w, x.proj_w, 1e-6, out, **replace(c, **shape).shape)
+        launch(x.prefix, x.blocks, 5, x.norm_w, x.proj_w, 1e-6, out, shape=replace(c, **shape).shape)
         check_mix_and_norm(c, x.prefix, x.blocks, x.norm_w, x.proj_w, out, None,
                            bf16_casts_truncate=INTERPRETED, device=DEVICE, msg=f"{shape}")
 
@@ -520,8 +520,8 @@ def test_early_tile_changes_nothing_but_the_order_of_loads(sources_per_tile, num
         x = make_inputs(_K3, 3)
         out = torch.empty_like(x.prefix)
         launch(x.prefix, x.blocks, num_blocks, x.norm_w, x.proj_w, 1e-6, out, delta=x.delta,
-               prefix_out=x.prefix, block_write_idx=8, out_norm_w=x.out_norm_w, kind="row",
-               sources_per_tile=sources_per_tile, early_tile=early)
+               prefix_out=x.prefix, block_write_idx=8, out_norm_w=x.out_norm_w,
+               shape=dict(kind="row", sources_per_tile=sources_per_tile, early_tile=early))
         results.append((out, x.prefix_parent, x.bank_parent))
     for a, b in zip(*results):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
@@ -558,11 +558,10 @@ def test_pipelined_source_loop_only_where_its_buffers_fit(monkeypatch, hidden, d
     prefix = torch.zeros(1, hidden, dtype=dtype)
     blocks = torch.zeros(1, 2, hidden, dtype=dtype)
     w = torch.ones(hidden, dtype=dtype)
-    launch(prefix, blocks, 1, w, w, 1e-6, torch.empty_like(prefix), kind="row",
-           prefill_tokens=1)
-    launch(prefix, blocks, 1, w, w, 1e-6, torch.empty_like(prefix), kind="row",
-           prefill_tokens=1,
-           loop_stages=2)
+    launch(prefix, blocks, 1, w, w, 1e-6, torch.empty_like(prefix),
+           shape=dict(kind="row", prefill_tokens=1))
+    launch(prefix, blocks, 1, w, w, 1e-6, torch.empty_like(prefix),
+           shape=dict(kind="row", prefill_tokens=1, loop_stages=2))
     assert seen == [stages, 2]
     assert (stages > 1) == (2 * triton.next_power_of_2(hidden) * prefix.element_size()
                             <= mod.LOOP_SMEM_BYTES)
@@ -629,9 +628,9 @@ def test_roundings_are_the_spec_bit_for_bit(dtype: torch.dtype, out_norm: str, s
     out = torch.empty(c.T, c.H, device=DEVICE, dtype=c.out_dtype)
     launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, c.eps, out, delta=x.delta,
            prefix_out=x.prefix, block_write_idx=c.write_idx, out_norm_w=x.out_norm_w,
-           out_eps=c.out_eps, out_weight_in_fp32=out_norm == "fp32w", **c.shape)
+           out_eps=c.out_eps, out_weight_in_fp32=out_norm == "fp32w", shape=c.shape)
     mix = torch.empty_like(x.prefix)
-    launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, c.eps, mix, **c.shape)
+    launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, c.eps, mix, shape=c.shape)
     exp_mix, exp_out = emulate(c, x.prefix, x.blocks, x.norm_w, x.proj_w, x.out_norm_w,
                                bf16_casts_truncate=INTERPRETED)
     assert exact_fraction(mix, exp_mix) >= 0.98, f"mix: {exact_fraction(mix, exp_mix)} bit-exact"
@@ -657,6 +656,22 @@ def test_the_rounded_prefix_is_the_last_source(dtype: torch.dtype) -> None:
     new = 1.0 + 2.0**-12 if dtype == torch.float32 else 1.0
     assert (prefix == new).all() and (blocks[:, 1] == new).all()
     assert (out == (new - 1.0) / 2).all(), out.unique()
+
+
+def test_launcher_takes_a_shape_or_its_overrides() -> None:
+    """``shape``: a :class:`LaunchShape` runs as given, a mapping goes to
+    ``pick_launch_shape`` (the same launch), an unknown override is a TypeError naming it."""
+    c = replace(_K3, T=3, H=48, num_blocks=4)
+    x = make_inputs(c, 0)
+    overrides = {"kind": "row", "sources_per_tile": 2}
+    outs = []
+    for shape in (overrides, pick_launch_shape(c.T, c.H, c.num_blocks, **overrides)):
+        outs.append(torch.empty_like(x.prefix))
+        launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, 1e-6, outs[-1], shape=shape)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(TypeError, match="source_per_tile"):
+        launch(x.prefix, x.blocks, c.num_blocks, x.norm_w, x.proj_w, 1e-6, outs[0],
+               shape={"source_per_tile": 2})
 
 
 # --------------------------------------------------------------- launch shape heuristic
@@ -777,12 +792,12 @@ def test_split_kernel_one_program_per_token_is_one_launch(monkeypatch) -> None:
     monkeypatch.setattr(mod, "_attn_res_split_kernel", Spy())
     x = make_inputs(_K3, 0)
     out = torch.empty_like(x.prefix)
-    launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, 1e-6, out, kind="split", chunk=128,
-           out_norm_w=x.out_norm_w)
+    launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, 1e-6, out,
+           shape=dict(kind="split", chunk=128), out_norm_w=x.out_norm_w)
     assert phases == [((1, _K3.T), 0, 1)]
     phases.clear()
-    launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, 1e-6, out, kind="split", chunk=32,
-           out_norm_w=x.out_norm_w)
+    launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, 1e-6, out,
+           shape=dict(kind="split", chunk=32), out_norm_w=x.out_norm_w)
     assert [p[1] for p in phases] == [1, 2, 3]
 
 
@@ -936,7 +951,7 @@ class TestAttnResCuda:
                 launch(x.prefix, blocks, nb, x.norm_w, x.proj_w, c.eps, out, delta=x.delta,
                        prefix_out=new if has_delta else None, block_write_idx=c.write_idx,
                        out_norm_w=x.out_norm_w, out_eps=c.out_eps, split_phases=phases,
-                       **c.shape)
+                       shape=c.shape)
                 results.append((bits(out), bits(bank), bits(new) if has_delta else None))
             for r in results[1:]:
                 assert torch.equal(r[0], results[0][0]), f"{c}: out differs"
@@ -977,7 +992,7 @@ class TestAttnResCuda:
         def step():
             for _ in range(3):
                 launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, c.eps, out, delta=x.delta,
-                       prefix_out=new, out_norm_w=x.out_norm_w, out_eps=c.out_eps, **c.shape)
+                       prefix_out=new, out_norm_w=x.out_norm_w, out_eps=c.out_eps, shape=c.shape)
 
         made, real = [], kernel_mod.launch_scratch
         stream = torch.cuda.Stream()
@@ -993,7 +1008,7 @@ class TestAttnResCuda:
         expected_out = torch.empty_like(out)
         launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, c.eps, expected_out, delta=x.delta,
                prefix_out=new, out_norm_w=x.out_norm_w, out_eps=c.out_eps, split_phases=True,
-               **c.shape)
+               shape=c.shape)
         for _ in range(3):
             out.zero_()
             graph.replay()
@@ -1028,7 +1043,7 @@ class TestAttnResCuda:
         def run(**kw):
             out = torch.empty_like(prefix)
             launch(prefix, blocks, nb, norm_w, proj_w, 1e-6, out, out_norm_w=out_w,
-                   kind="split", **kw)
+                   shape=dict(kind="split"), **kw)
             return out
 
         want = run(split_phases=True)

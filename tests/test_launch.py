@@ -45,7 +45,7 @@ def _split_attn_res_step(tokens: int, seed: int):
 
     def step():
         attn_res(args["prefix"], args["blocks"], blocks, args["norm_w"], args["proj_w"], 1e-6,
-                 out, out_norm_w=args["out_norm_w"], kind="split", chunk=256)
+                 out, out_norm_w=args["out_norm_w"], shape=dict(kind="split", chunk=256))
         return out
     return step
 

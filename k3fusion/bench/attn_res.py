@@ -224,7 +224,7 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None, peers=(), *, device="
                     lambda prefix, delta, bank, norm_w, proj_w, out_w, out, kw=kw:
                     launch(prefix, bank, NUM_BLOCKS, norm_w, proj_w[0], EPS, out,
                            delta=delta, prefix_out=prefix, block_write_idx=WRITE_IDX,
-                           out_norm_w=out_w, out_eps=EPS, **kw),
+                           out_norm_w=out_w, out_eps=EPS, shape=kw),
                     [s + (o,) for s, o in zip(sets, outs)])
             best = min((k for k in row if k.startswith("sweep ")), key=row.get)
             row["sweep_best"] = best[len("sweep "):]

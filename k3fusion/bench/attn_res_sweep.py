@@ -189,14 +189,14 @@ def step_bytes(T: int, H: int, nb: int) -> int:
 def launch_step(args, nb: int, out, kw: dict) -> None:
     prefix, delta, bank, norm_w, proj_w, out_w = args
     launch(prefix, bank, nb, norm_w, proj_w[0], EPS, out, delta=delta, prefix_out=prefix,
-           block_write_idx=nb, out_norm_w=out_w, out_eps=EPS, **kw)
+           block_write_idx=nb, out_norm_w=out_w, out_eps=EPS, shape=kw)
 
 
 def launch_mix(args, nb: int, mix, kw: dict) -> None:
     """The candidate without delta, block write and norm: its rounded mix (the check's
     second launch; another compiled variant)."""
     prefix, _, bank, norm_w, proj_w, _ = args
-    launch(prefix, bank, nb, norm_w, proj_w[0], EPS, mix, **kw)
+    launch(prefix, bank, nb, norm_w, proj_w[0], EPS, mix, shape=kw)
 
 
 def chain(prefix, delta, bank, norm_w, proj_w, out_w, nb: int):
