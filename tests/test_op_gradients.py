@@ -2,11 +2,12 @@
 pair), ``attn_res`` (mix, prefix update, output norm) and ``latent_moe_tail`` (tp = 1)
 differentiate their reference formulas (``k3fusion/ops/_backward.py``).
 
-Two checks per draw: the op's gradients are bit for bit those of ``k3fusion.reference``
+Three checks per draw: the op's gradients are bit for bit those of ``k3fusion.reference``
 under autograd in the same dtype, on the plain-torch path and with the forward in the
-Triton interpreter (the backward recomputes the reference either way); and fp32
-gradients within 2**-17 of the largest (64 fp32 ulps, rows of at most 40) of the fp64
-reference's. Random token counts (0 and
+Triton interpreter (the backward recomputes the reference either way); so are its second
+derivatives (a double backward through the first gradients, as a gradient penalty takes
+it); and fp32 gradients within 2**-17 of the largest (64 fp32 ulps, rows of at most 40)
+of the fp64 reference's. Random token counts (0 and
 1 included), widths that are not powers of two, fp32 / bf16 / fp16, strided row views,
 block counts and flags."""
 
@@ -35,13 +36,26 @@ def _rows(tokens: int, width: int, dtype, g, strided: bool) -> torch.Tensor:
     return full[:, :width]
 
 
-def _grads(fn, inputs, weights):
+def _grads(fn, inputs, weights, create_graph=False):
     """Gradients of ``sum(w_i * out_i)`` over the outputs of ``fn(*inputs)``."""
     outs = fn(*inputs)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     loss = sum((o.double() * w).sum() for o, w in zip(outs, weights))
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    return torch.autograd.grad(loss, leaves, allow_unused=True)
+    return torch.autograd.grad(loss, leaves, allow_unused=True, create_graph=create_graph)
+
+
+def _second_grads(fn, inputs, weights, g):
+    """Gradients of ``sum(v_j * grad_j)`` over the first gradients (a double backward, as a
+    gradient penalty takes it); None where no first gradient depends on the inputs."""
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    firsts = [f for f in _grads(fn, inputs, weights, create_graph=True)
+              if f is not None and f.requires_grad]
+    if not firsts:
+        return None
+    penalty = sum((f.double() * torch.randn(f.shape, generator=g, dtype=torch.float64)).sum()
+                  for f in firsts)
+    return torch.autograd.grad(penalty, leaves, allow_unused=True)
 
 
 def _check(op_fn, ref_fn, tensors, dtype, g, out_shapes):
@@ -54,6 +68,18 @@ def _check(op_fn, ref_fn, tensors, dtype, g, out_shapes):
             assert (a is None) == (b is None)
             if a is not None:
                 assert a.dtype == b.dtype and torch.equal(a, b), (path, (a - b).abs().max())
+    # Second order: the op's backward differentiable itself (a silent zero before).
+    state = g.get_state()
+    want2 = _second_grads(ref_fn, [_leaf(t) for t in tensors], weights, g)
+    for path in ("reference", "kernel"):
+        g.set_state(state)
+        with cpu_path(path):
+            got2 = _second_grads(op_fn, [_leaf(t) for t in tensors], weights, g)
+        assert (got2 is None) == (want2 is None), path
+        for a, b in zip(got2 or (), want2 or ()):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b), (path, "second order", (a - b).abs().max())
     if dtype == torch.float32:  # against the exact gradients
         exact = _grads(ref_fn, [_leaf(t, torch.float64) for t in tensors], weights)
         for a, b in zip(want, exact):

@@ -34,13 +34,18 @@ def differentiate_by_reference(op, formula: Callable) -> None:
 
     def backward(ctx, *grads):
         args, wanted = list(ctx.others), []
+        # Grad mode is on inside a backward only under create_graph (a double backward):
+        # then the formula runs on the saved inputs themselves, so the gradients it returns
+        # carry their graph back to those inputs and to ``grads``.
+        create_graph = torch.is_grad_enabled()
         # The dispatcher drops trailing arguments equal to their defaults: gradients are
         # returned for the arguments it passed, which ``needs_input_grad`` lists.
         passed = len(ctx.needs_input_grad)
         for i, t in zip(ctx.positions, ctx.saved_tensors):
-            t = t.detach()
-            if i < passed and ctx.needs_input_grad[i] and t.is_floating_point():
-                t.requires_grad_()
+            want = i < passed and ctx.needs_input_grad[i] and t.is_floating_point()
+            if not create_graph:
+                t = t.detach().requires_grad_(want)
+            if want:
                 wanted.append(i)
             args[i] = t
         result = [None] * passed
@@ -53,7 +58,8 @@ def differentiate_by_reference(op, formula: Callable) -> None:
         if not pairs:
             return tuple(result)
         found = torch.autograd.grad([o for o, _ in pairs], [args[i] for i in wanted],
-                                    [g for _, g in pairs], allow_unused=True)
+                                    [g for _, g in pairs], allow_unused=True,
+                                    create_graph=create_graph)
         for i, g in zip(wanted, found):
             result[i] = g
         return tuple(result)
