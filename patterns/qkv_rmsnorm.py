@@ -8,8 +8,8 @@ In an MLA block both latents are projections of the same hidden state::
     (or one fused projection split into q_c, kv_c, k_pe)
 
 Two recognized RMSNorms pair when neither depends on the other and their inputs share a
-source (``pairing_source``: projections of one activation, views of one tensor, or region
-inputs). Among norms of one source, pairs follow the projection structure (``_pair_score``):
+source (``pairing_source``: projections of one activation -- or of its casts to one dtype,
+as autocast casts it once per projection --, views of one tensor, or region inputs). Among norms of one source, pairs follow the projection structure (``_pair_score``):
 each latent starts at column 0 of its projection, or right after the other in a fused one;
 such pairs are *strong*, and no other fusion claims their norms. The pair becomes one
 ``dual_rms_norm`` node before the first reader of either output; an input's
@@ -34,7 +34,7 @@ from k3fusion.config import env_name
 
 from ._fx import (VIEW_OPS, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on,
                   erase_unused, fake_call, hoist_before, insert_call, is_op, matmul_operands,
-                  plan_size_reads, row_padded, slice_args, users, val)
+                  plan_size_reads, prims, row_padded, slice_args, users, val)
 from .fusion import Fusion, FusionResult, Reservation
 from .rms_norm import RMSNormMatch, eps_op_args
 
@@ -69,7 +69,12 @@ def pairing_source(x: Node) -> object:
         a = _strip_views(product[0])
         # Each projection's own row padding (pad_mm) of the one hidden state: that state.
         padded = row_padded(a)
-        return a if padded is None else _strip_views(padded)
+        a = a if padded is None else _strip_views(padded)
+        # Autocast casts the hidden state once per projection: casts of one state to one
+        # dtype are that state.
+        if is_op(a, prims.convert_element_type.default):
+            return ("cast", _strip_views(a.args[0]), a.args[1])
+        return a
     if isinstance(base, Node) and base.op in ("placeholder", "get_attr"):
         return REGION_INPUTS
     return base

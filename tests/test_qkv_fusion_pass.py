@@ -195,6 +195,47 @@ def test_pair_fused(dtype, shape):
                for n in getitems[0].users for u in [n, *n.users])
 
 
+def test_pair_fused_under_autocast():
+    """Autocast casts the hidden state to bf16 once per projection (two cast nodes of one
+    state): the casts pair as that state. An fp32 model under CPU autocast, as mixed-
+    precision training and inference run it."""
+    module = MLA(dtype=torch.float32)
+    h = _hidden(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected, be = _run(module, h)
+    casts = [n for n in be.graph_before.nodes
+             if n.target == torch.ops.prims.convert_element_type.default
+             and n.args[0].op == "placeholder" and n.args[1] == torch.bfloat16
+             and tuple(n.args[0].meta["val"].shape) == tuple(h.shape)]
+    assert len(casts) == 2  # the form this test is about: one cast per projection
+    _assert_fused_once(be)
+    for a, b in zip(out, expected):  # fp32 outputs of values rounded to bf16 on the way
+        assert_close_rounding(a, b, rounded=torch.bfloat16)
+
+
+def test_casts_of_one_state_to_two_dtypes_not_paired():
+    """The q projection reads the state cast to bf16, the kv projection the state cast to
+    fp16: two different sources (each norm's input differs), left alone."""
+    module = MLA(dtype=torch.float32)
+    wq, wkv = module.q_a_proj.weight.to(torch.bfloat16), \
+        module.kv_a_proj_with_mqa.weight.to(torch.float16)
+    nq = copy.deepcopy(module.q_a_layernorm).to(torch.bfloat16)
+    nkv = copy.deepcopy(module.kv_a_layernorm).to(torch.float16)
+
+    def two_casts(h):
+        q_c = nq(torch.nn.functional.linear(h.to(torch.bfloat16), wq))
+        kv_c, _ = torch.nn.functional.linear(h.to(torch.float16), wkv).split([KV_RANK, ROPE], -1)
+        return q_c, nkv(kv_c)
+
+    h = _hidden(dtype=torch.float32)
+    with torch.no_grad():
+        expected = two_casts(h)
+    out, be = compile_capture(two_casts, h)
+    _assert_untouched(be, rsqrt=2)
+    for a, b in zip(out, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("q_eps,kv_eps", [(1e-6, 1e-2), (1e-2, 1e-6)])
 def test_eps_per_member(q_eps, kv_eps):
     # small activations, so eps changes the result visibly (a swapped eps fails the compare)
