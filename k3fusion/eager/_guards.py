@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-__all__ = ["SeenTensor", "records_grad"]
+__all__ = ["SeenTensor", "records_grad", "transforms_active"]
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
@@ -34,6 +34,13 @@ class SeenTensor:
         return (isinstance(x, torch.Tensor) and self.root() is _root(x)
                 and x._version == self.version
                 and (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) == self.view)
+
+
+def transforms_active() -> bool:
+    """A ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...) is running: its
+    wrapped tensors reach the modules, and the fused path's checks (the norm probe draws
+    random rows, reads ``.data``) and ops (no batching rule) do not work on them."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def records_grad(tensors, modules) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import ops, reference
 from ..patterns.attn_res import FUSION_NAME
-from ._guards import records_grad, SeenTensor
+from ._guards import records_grad, SeenTensor, transforms_active
 from ._norm_spec import CheckedSpec, rms_norm_spec
 from .patcher import Patcher
 
@@ -136,9 +136,11 @@ class _FusedAttnResStep:
 
     @staticmethod
     def _run_original(prefix, bank, res, delta, output_norm) -> bool:
-        """Compiling (the graph pass owns this case; probe nothing), autocasting (the
-        module's Linear would run in another dtype), or autograd recording."""
-        if not isinstance(prefix, torch.Tensor) or torch.compiler.is_compiling():
+        """Compiling (the graph pass owns this case; probe nothing), a ``torch.func``
+        transform, autocasting (the module's Linear would run in another dtype), or
+        autograd recording."""
+        if (not isinstance(prefix, torch.Tensor) or torch.compiler.is_compiling()
+                or transforms_active()):
             return True
         if torch.is_autocast_enabled(prefix.device.type):
             return True

@@ -14,7 +14,7 @@ from torch import nn
 from ..config import get_config
 from ..moe_tail import as_tier, run_latent_moe_tail
 from ..patterns.moe_tail import FUSION_NAME
-from ._guards import records_grad
+from ._guards import records_grad, transforms_active
 from ._norm_spec import CheckedSpec, rms_norm_spec, why_not_standard
 from .patcher import Patcher
 
@@ -107,8 +107,10 @@ class _MoETailStep:
         return self.runner
 
     def __call__(self, routed_latent, shared):
-        if records_grad((routed_latent, shared), (self.runner.norm, self.runner.up_proj)):
-            return self.original(routed_latent, shared)  # the fused tiers have no backward
+        if transforms_active() or records_grad((routed_latent, shared),
+                                               (self.runner.norm, self.runner.up_proj)):
+            # torch.func transforms: the tiers have no batching rules; grad: no backward.
+            return self.original(routed_latent, shared)
         runner = self._current_runner()
         if isinstance(runner, str):
             self.fallbacks[runner] = self.fallbacks.get(runner, 0) + 1

@@ -18,7 +18,8 @@ from ..patterns.registry import FUSIONS
 from .patcher import Patcher
 
 #: When a patched module runs its fused kernels, in :attr:`PatchReport.notes`.
-FUSED_WHEN = ("patched modules run their fused kernels outside autocast and torch.compile; "
+FUSED_WHEN = ("patched modules run their fused kernels outside autocast, torch.compile and "
+              "torch.func transforms; "
               "AttnRes and the MoE tail only where autograd records nothing "
               "(torch.no_grad(), or no input or parameter requires grad), the q/kv norms "
               "also while it records (their op has a backward) but not in "

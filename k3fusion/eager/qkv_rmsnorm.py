@@ -18,7 +18,7 @@ from torch import nn
 from .. import reference
 from ..ops import check_rms_norm_args
 from ..patterns.qkv_rmsnorm import FUSION_NAME
-from ._guards import SeenTensor
+from ._guards import SeenTensor, transforms_active
 from ._norm_spec import CheckedSpec, rms_norm_spec, why_not_standard
 from .patcher import Patcher
 
@@ -104,9 +104,11 @@ class _ModuleState:
 
 def _can_fuse(x: torch.Tensor) -> bool:
     """The fused kernels stand in for the modules only where they compute the same thing
-    and a later in-place write to an input is visible: not while compiling, autocasting
-    or in inference mode (inference tensors keep no version counter)."""
-    return not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+    and a later in-place write to an input is visible: not while compiling, under a
+    ``torch.func`` transform, autocasting or in inference mode (inference tensors keep no
+    version counter)."""
+    return not (torch.compiler.is_compiling() or transforms_active()
+                or torch.is_inference_mode_enabled()
                 or x.is_inference() or torch.is_autocast_enabled(x.device.type))
 
 
