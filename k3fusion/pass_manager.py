@@ -100,6 +100,7 @@ class K3FusionPass(CustomGraphPass):
         forward's)."""
         if is_backward_graph(graph):
             return
+        _record_joint_counts(graph)
         # The forward of a training pair: values returned for the backward stay
         # computed, and are no reason to leave a site unfused (patterns/_fx.py).
         self._guarded(graph, saved_for_backward(graph))
@@ -149,10 +150,7 @@ class K3FusionPass(CustomGraphPass):
                 misses += result.misses
                 norms = [m for m in norms if m.out not in result.claimed]
         graph.lint()
-        # Recorded in torch's inductor counters, which Inductor saves with a cached graph
-        # and replays on a cache hit (k3fusion.counters); only once the graph is final.
-        for name, n in counts.items():
-            record_matches(name, n)
+        self._record(graph, counts)
 
         log.info("%s; %d RMSNorms recognized, %d left unfused",
                  ", ".join(f"{k} {v} matches" for k, v in counts.items()) or "no fusion enabled",
@@ -163,9 +161,28 @@ class K3FusionPass(CustomGraphPass):
             for r in rejected:
                 log.info("rsqrt %s not recognized as RMSNorm: %s", r.anchor.name, r.reason)
 
+    def _record(self, graph: Graph, counts: dict[str, int]) -> None:
+        # Recorded in torch's inductor counters, which Inductor saves with a cached graph
+        # and replays on a cache hit (k3fusion.counters); only once the graph is final.
+        for name, n in counts.items():
+            record_matches(name, n)
+
     def uuid(self) -> str:
         key = f"{_source_digest()}|{self.config.cache_key()}|torch={torch.__version__}"
         return hashlib.sha256(key.encode()).hexdigest()
+
+
+#: Meta key of a fused op node in a joint graph: the joint pass's counts, recorded when the
+#: forward graph holding that node is compiled (see :meth:`K3JointPass._record`).
+JOINT_COUNTS = "k3fusion_joint_counts"
+
+
+def _record_joint_counts(graph: Graph) -> None:
+    for node in graph.nodes:
+        counts = node.meta.pop(JOINT_COUNTS, None)
+        if counts:
+            for name, n in counts.items():
+                record_matches(name, n)
 
 
 class K3JointPass(K3FusionPass):
@@ -180,6 +197,20 @@ class K3JointPass(K3FusionPass):
         values = joint_backward_values(graph)
         if values is not None and self._guarded(graph, values):
             recompute_in_backward(graph, values)
+
+    def _record(self, graph: Graph, counts: dict[str, int]) -> None:
+        # Not here: the joint pass runs outside the compile whose counter changes Inductor
+        # saves with its cached graphs, so a warm AOTAutograd hit would count nothing. The
+        # counts ride on a fused op node into the forward graph, and the post-grad pass
+        # records them there, inside that compile.
+        if not any(counts.values()):
+            return
+        fused = next((n for n in graph.nodes if n.op == "call_function"
+                      and getattr(n.target, "namespace", None) == "k3fusion"), None)
+        if fused is None:  # nothing carries them: count now rather than never
+            super()._record(graph, counts)
+        else:
+            fused.meta[JOINT_COUNTS] = {k: v for k, v in counts.items() if v}
 
     def uuid(self) -> str:
         return "joint-" + super().uuid()

@@ -121,6 +121,28 @@ def test_counts_survive_a_cache_hit_in_one_process(way, fresh_cache):
     assert cold == warm == {**dict.fromkeys(FUSIONS, 0), "qkv_rmsnorm": 1}
 
 
+def test_training_counts_survive_an_aot_autograd_cache_hit(fresh_cache):
+    """A training compile (forward and backward) served from the AOTAutograd cache counts
+    what the joint-graph pass fused when it compiled: the counts ride into the forward
+    graph's compile, whose counter changes the cache replays. Before, a warm training
+    compile counted 0 while it ran the fused ops."""
+    from torch._dynamo.utils import counters
+
+    model, h = _MLAPair().train(), torch.randn(2, 5, 64)
+    seen = []
+    for _ in range(2):  # cold, then from the AOTAutograd cache
+        torch._dynamo.reset()
+        k3fusion.reset_match_counts()
+        hits = counters["aot_autograd"]["autograd_cache_hit"]
+        compiled = torch.compile(model, backend="k3fusion")
+        out = compiled(h)
+        sum(o.float().sum() for o in out).backward()
+        seen.append((k3fusion.match_counts(), counters["aot_autograd"]["autograd_cache_hit"] - hits))
+    (cold, cold_hits), (warm, warm_hits) = seen
+    assert (cold_hits, warm_hits) == (0, 1)  # the second compile really was a cache hit
+    assert cold == warm == {**dict.fromkeys(FUSIONS, 0), "qkv_rmsnorm": 1}
+
+
 _CHILD = textwrap.dedent("""
     import json, sys
     import torch
