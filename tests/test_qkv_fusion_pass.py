@@ -137,6 +137,16 @@ def _assert_untouched(be: CaptureBackend, rsqrt: int):
     assert _qkv() == 0
 
 
+def _assert_left_alone(fn, *args, rsqrt: int = 2):
+    """``fn`` compiled: its graph exactly as it was, its outputs eager's bit for bit."""
+    with torch.no_grad():
+        expected = fn(*args)
+    out, be = compile_capture(fn, *args)
+    _assert_untouched(be, rsqrt=rsqrt)
+    for a, b in zip(out, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------- fusion
 
 
@@ -227,13 +237,7 @@ def test_casts_of_one_state_to_two_dtypes_not_paired():
         kv_c, _ = torch.nn.functional.linear(h.to(torch.float16), wkv).split([KV_RANK, ROPE], -1)
         return q_c, nkv(kv_c)
 
-    h = _hidden(dtype=torch.float32)
-    with torch.no_grad():
-        expected = two_casts(h)
-    out, be = compile_capture(two_casts, h)
-    _assert_untouched(be, rsqrt=2)
-    for a, b in zip(out, expected):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _assert_left_alone(two_casts, _hidden(dtype=torch.float32))
 
 
 @pytest.mark.parametrize("q_eps,kv_eps", [(1e-6, 1e-2), (1e-2, 1e-6)])
@@ -437,13 +441,7 @@ def test_norms_of_different_hidden_states_not_paired():
         kv_c, _ = module.kv_a_proj_with_mqa(h2).split([KV_RANK, ROPE], -1)
         return q_c, module.kv_a_layernorm(kv_c)
 
-    h1, h2 = _hidden(seed=1), _hidden(seed=2)
-    with torch.no_grad():
-        expected = two_states(h1, h2)
-    out, be = compile_capture(two_states, h1, h2)
-    _assert_untouched(be, rsqrt=2)
-    for a, b in zip(out, expected):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _assert_left_alone(two_states, _hidden(seed=1), _hidden(seed=2))
 
 
 def test_chained_norms_not_paired():
@@ -505,13 +503,7 @@ def test_intermediate_used_elsewhere_not_fused():
         kv_c, _ = module.kv_a_proj_with_mqa(h).split([KV_RANK, ROPE], -1)
         return q_c, module.kv_a_layernorm(kv_c), x32.abs().amax(-1)
 
-    h = _hidden()
-    with torch.no_grad():
-        expected = leaky(h)
-    out, be = compile_capture(leaky, h)
-    _assert_untouched(be, rsqrt=2)
-    for a, b in zip(out, expected):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _assert_left_alone(leaky, _hidden())
 
 
 @pytest.mark.parametrize("how", ["set_config", "env"])
