@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "kernels_are_interpreted", "check_launchable",
-           "launch_scratch", "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait"]
+           "launch_scratch", "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait",
+           "cuda_properties", "cuda_index", "pdl_available", "pdl_launch"]
 
 try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -69,6 +70,41 @@ _INTERPRETED_AT_IMPORT = _interpret_flag()
 
 def kernels_are_interpreted() -> bool:
     return _INTERPRETED_AT_IMPORT
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_properties(index: int):
+    # Asked once per device: every default launch reads them (a decode step's launch path).
+    return torch.cuda.get_device_properties(index)
+
+
+def cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether launches on ``device`` run as programmatic dependents: NVIDIA sm_90+ with a
+    Triton that has ``gdc_wait`` (not ROCm, whose capability numbers overlap); on CPU the
+    interpreter runs a PDL form's two launches one after the other."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or torch.version.hip is not None or gdc_wait is None:
+        return False
+    props = cuda_properties(cuda_index(device))
+    return (props.major, props.minor) >= (9, 0)
+
+
+def pdl_launch(device: torch.device, pdl: bool | None) -> bool:
+    """Whether a single-launch kernel with a ``PDL`` switch runs as a programmatic dependent
+    of the launch before it: ``pdl`` None means wherever :func:`pdl_available` says so on a
+    GPU; True off a GPU that can is an error. The interpreter never does (inline PTX)."""
+    if pdl is not None and not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be a bool or None, got {type(pdl).__name__}")
+    on_gpu = device.type == "cuda" and pdl_available(device)
+    if pdl and not on_gpu:
+        raise ValueError(f"pdl=True needs an sm_90+ CUDA device and a Triton with "
+                         f"triton.language.extra.cuda.gdc_wait, got {device}")
+    return on_gpu if pdl is None else pdl
 
 
 def check_launchable(*tensors: torch.Tensor) -> None:

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (cdiv, check_launchable, interpreter_enabled, launch_scratch,
-                      on_tensor_device)
+from ._launch import (cdiv, check_launchable, gdc_launch_dependents, gdc_wait,
+                      interpreter_enabled, launch_scratch, on_tensor_device, pdl_launch)
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
@@ -71,12 +71,15 @@ SPLIT_MAX_GRID_Y = 65535
 SPLIT_MAX_SOURCES = 32
 #: What the programs of one token add to its launch counter per launch (> programs per token).
 SYNC_EPOCH = tl.constexpr(1 << 16)
-#: Most source-tile elements per thread a shape of :data:`LAUNCH_TABLE` may hold (rows of
-#: the tile x its width / threads): past it the tile spills. The sweep's bound too.
-TILE_MAX_PER_THREAD = 128
+#: Most source-tile elements per thread a shape of :data:`LAUNCH_TABLE` may hold (live rows
+#: of the tile x its width / threads): past it the tile spills. The sweep's bound too
+#: (docs/experiments.md, "2026-12-03: the block count as a constexpr").
+TILE_MAX_PER_THREAD = 192
 
 #: The automatic launch shape, measured: docs/benchmarks.md#attnres-launch-selection-sweep-issue-20
-#: (the run that chose it, every point: docs/experiments.md#2026-12-02-the-launch-selection-run-issue-20).
+#: (up to 255 tokens the 2026-12-03 run with the block count compiled in:
+#: docs/experiments.md#2026-12-03-the-block-count-as-a-constexpr; the prefill rows the
+#: 2026-12-02 run: docs/experiments.md#2026-12-02-the-launch-selection-run-issue-20).
 #: Keyed by the most bytes of a padded row (``next_power_of_2(H) * element size``, so fp32
 #: at H 2048 takes bf16's H 4096 row: the same bytes per thread in flight, half the
 #: registers); rows ``(most tokens, shapes for 0, 1, ..., 8 completed blocks)``, the first
@@ -88,25 +91,36 @@ TILE_MAX_PER_THREAD = 128
 #: :func:`pick_launch_shape` (``use_table=False``).
 LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
     4 * 1024: (  # bf16/fp16 H <= 2048, fp32 H <= 1024
-        (64, "r1x4e r1x4e r2x4e r4x4e r4x4e r8x4e solo4 solo4 r8x4e"),
-        (255, "r1x8 r1x8 r2x8 r4x8 r4x4 solo4 solo4 solo4 r8x8"),
+        (64, "r1x4e solo8 solo8 solo8 r4x4e solo4 solo4 solo8 solo4"),
+        (255, "r1x8 solo8 solo8 solo8 solo8 solo4 solo4 solo8 solo8"),
         (None, "r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3"),
     ),
     8 * 1024: (  # bf16/fp16 H <= 4096, fp32 H <= 2048
-        (64, "solo8 solo8 solo8 solo8 r4x8e solo8 solo8 solo8 r8x8e"),
-        (255, "solo8 solo8 solo8 solo8 solo8 solo8 solo8 solo8 r8x8"),
+        (64, "r1x8e solo16 solo16 solo16 r4x8e solo8 solo8 r8x8e solo8"),
+        (255, "solo16 solo16 solo16 solo8 solo8 solo8 solo16 solo8 solo8"),
         (None, "solo16 solo16 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3"),
     ),
     16 * 1024: (  # bf16/fp16 H <= 8192 (7168), fp32 H <= 4096
-        (12, "solo16 solo16 solo8 solo8 r4x8e s1024x4 s1024x4 s1024x4 s1024x4"),
-        (64, "solo16 solo16 solo8 solo8 r4x8e r4x8e r4x8e r4x8e r4x8e"),
-        (255, "solo16 solo16 solo8 solo8 r4x8 r2x8p3 r2x8p3 r2x8p3 r2x8p3"),
+        (12, "r1x8 solo8 solo8 solo8 solo8 solo8 r8x8e s1024x4 s1024x4"),
+        (64, "solo16 solo8 solo8 solo16 solo16 solo8 r8x8e solo16 r4x8e"),
+        (255, "solo16 solo8 solo16 solo16 solo16 solo16 solo16 r2x8p3 r2x8p3"),
         (None, "solo16 solo16 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3"),
     ),
 }
 
 
 # ---------------------------------------------------------------------- shared pieces
+
+
+@triton.jit
+def _dependent_start(PDL: tl.constexpr):
+    """``PDL``: this launch started while the previous one ran (programmatic dependent
+    launch): wait for it, and through it for everything before, before any load (weights
+    included: a training step may have just written them), then let the next launch
+    start. Both kernels call it first."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -196,18 +210,18 @@ def _online_step(m, den, acc, x, s, num_blocks, g, H, eps):
     return m_new, den, acc
 
 
-@triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
+@triton.jit(do_not_specialize=["block_write_idx"])
 def _attn_res_kernel(
     prefix_ptr, prefix_stride,
     prefix_out_ptr, prefix_out_stride,
     delta_ptr, delta_stride,
     blocks_ptr, blocks_token_stride, blocks_block_stride,
-    num_blocks,
     block_write_idx,
     norm_w_ptr, proj_w_ptr, out_norm_w_ptr,
     out_ptr, out_stride,
     H, eps, out_eps,
     BLOCK_H: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
     SOURCES_PER_TILE: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     EARLY_TILE: tl.constexpr,
@@ -215,8 +229,10 @@ def _attn_res_kernel(
     WRITE_BLOCK: tl.constexpr,
     HAS_OUT_NORM: tl.constexpr,
     OUT_WEIGHT_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token (``grid = (T,)``), online softmax over the sources."""
+    _dependent_start(PDL)
     tok = tl.program_id(0).to(tl.int64)  # int64: token * stride overflows int32
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
@@ -228,7 +244,7 @@ def _attn_res_kernel(
         # The first source tile does not depend on the prefix: issued before the prefix
         # load, the two HBM round trips overlap instead of following each other.
         # It is read once per call too, but was not measured with the loop's hint.
-        x_first = _source_rows(blocks_row, srcs, num_blocks, blocks_block_stride, cols, cmask,
+        x_first = _source_rows(blocks_row, srcs, NUM_BLOCKS, blocks_block_stride, cols, cmask,
                                "")
     p = _update_prefix(prefix_ptr + tok * prefix_stride, delta_ptr + tok * delta_stride,
                        prefix_out_ptr + tok * prefix_out_stride, cols, cmask, HAS_DELTA)
@@ -237,7 +253,7 @@ def _attn_res_kernel(
                  mask=cmask)
 
     v = p.to(tl.float32)
-    if num_blocks == 0:
+    if NUM_BLOCKS == 0:
         # One source: its softmax weight is exactly 1, the mix is the prefix itself.
         mixed = v
     else:
@@ -251,19 +267,19 @@ def _attn_res_kernel(
         acc = v
         first = 0
         if EARLY_TILE:
-            m, den, acc = _online_step(m, den, acc, x_first.to(tl.float32), srcs, num_blocks,
+            m, den, acc = _online_step(m, den, acc, x_first.to(tl.float32), srcs, NUM_BLOCKS,
                                        g, H, eps)
             first = SOURCES_PER_TILE
         # LOOP_STAGES > 1: the next tiles' loads are in flight (cp.async into shared
         # memory) while this one is reduced; a plain loop waits a full HBM round trip
         # per tile (a loop without a dot is not pipelined by default).
-        for s0 in tl.range(first, num_blocks, SOURCES_PER_TILE, num_stages=LOOP_STAGES):
+        for s0 in tl.range(first, NUM_BLOCKS, SOURCES_PER_TILE, num_stages=LOOP_STAGES):
             s = s0 + srcs
             # Read once per call: let these lines go first, ahead of the rows this call
             # writes (docs/experiments.md, "kernels/attn_res.py").
-            x = _source_rows(blocks_row, s, num_blocks, blocks_block_stride, cols, cmask,
+            x = _source_rows(blocks_row, s, NUM_BLOCKS, blocks_block_stride, cols, cmask,
                              "evict_first").to(tl.float32)
-            m, den, acc = _online_step(m, den, acc, x, s, num_blocks, g, H, eps)
+            m, den, acc = _online_step(m, den, acc, x, s, NUM_BLOCKS, g, H, eps)
         mixed = acc / den
 
     # The spec rounds the mix to the model dtype (a module materializes it) before the
@@ -336,19 +352,19 @@ def _collect(ptrs, need, epoch, PHASE: tl.constexpr):
     return tl.where(need, lo.to(tl.float32, bitcast=True), 0.0)
 
 
-@triton.jit(do_not_specialize=["num_blocks", "block_write_idx"])
+@triton.jit(do_not_specialize=["block_write_idx"])
 def _attn_res_split_kernel(
     prefix_ptr, prefix_stride,
     prefix_out_ptr, prefix_out_stride,
     delta_ptr, delta_stride,
     blocks_ptr, blocks_token_stride, blocks_block_stride,
-    num_blocks,
     block_write_idx,
     norm_w_ptr, proj_w_ptr, out_norm_w_ptr,
     out_ptr, out_stride,
     words_ptr,
     H, eps, out_eps,
     CHUNK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
     N_CHUNKS: tl.constexpr,
     N_CHUNKS_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
@@ -357,11 +373,13 @@ def _attn_res_split_kernel(
     HAS_OUT_NORM: tl.constexpr,
     OUT_WEIGHT_IN_FP32: tl.constexpr,
     PHASE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``grid = (N_CHUNKS, T)``: program ``(c, t)`` owns columns ``[c*CHUNK, (c+1)*CHUNK)``
     of token ``t``. ``PHASE`` 0 runs all of it, exchanging through epoch-tagged words;
     the interpreter runs 1 (up to the source sums), 2 (up to the mix's sum of squares, or
     the output when there is no norm) and 3 (the normed output) as separate launches."""
+    _dependent_start(PDL)
     chunk = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -384,7 +402,7 @@ def _attn_res_split_kernel(
     if PHASE == 0 and not SOLO:
         epoch = _launch_epoch(token_words, chunk, N_CHUNKS)
     if SOLO:
-        x_solo = _source_rows(blocks_ptr + tok * blocks_token_stride, srcs, num_blocks,
+        x_solo = _source_rows(blocks_ptr + tok * blocks_token_stride, srcs, NUM_BLOCKS,
                               blocks_block_stride, cols, cmask, "")
 
     if PHASE >= 2:
@@ -405,21 +423,21 @@ def _attn_res_split_kernel(
     # minus one -- and a poll can never accept a stale word (the launcher keeps one
     # buffer per record layout, counters included).
     zeros = tl.zeros([S_PAD], dtype=tl.float32)
-    if num_blocks == 0:
+    if NUM_BLOCKS == 0:
         # One source: softmax weight exactly 1, no logit (an overflowing row stays exact).
         mixed = p
         if PHASE <= 1 and not SOLO:
             _publish(rec + srcs, zeros, epoch, PHASE)
             _publish(rec + S_PAD + srcs, zeros, epoch, PHASE)
     else:
-        # Every source's chunk at once: blocks in rows [0, num_blocks), the prefix in
-        # row num_blocks, zeros below (they add nothing to any sum).
+        # Every source's chunk at once: blocks in rows [0, NUM_BLOCKS), the prefix in
+        # row NUM_BLOCKS, zeros below (they add nothing to any sum).
         if SOLO:
             x = x_solo
         else:
-            x = _source_rows(blocks_ptr + tok * blocks_token_stride, srcs, num_blocks,
+            x = _source_rows(blocks_ptr + tok * blocks_token_stride, srcs, NUM_BLOCKS,
                              blocks_block_stride, cols, cmask, "")
-        x = tl.where((srcs == num_blocks)[:, None], p[None, :], x).to(tl.float32)
+        x = tl.where((srcs == NUM_BLOCKS)[:, None], p[None, :], x).to(tl.float32)
         if PHASE <= 1:
             g = (tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
                  * tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
@@ -431,13 +449,13 @@ def _attn_res_split_kernel(
             if SOLO:
                 sumsq = squares  # the whole row's sums: this program's own
             else:
-                need = kmask[:, None] & (srcs <= num_blocks)[None, :]
+                need = kmask[:, None] & (srcs <= NUM_BLOCKS)[None, :]
                 ptrs = recs + ks[:, None] * REC + srcs[None, :]
                 # Summed over chunks in chunk order: the same bits whoever arrived first.
                 dots, sumsq = _sum_pair(_collect(ptrs, need, epoch, PHASE),
                                         _collect(ptrs + S_PAD, need, epoch, PHASE), 0)
             logit = tl.rsqrt(sumsq / H + eps) * dots
-            logit = tl.where(srcs <= num_blocks, logit, float("-inf"))
+            logit = tl.where(srcs <= NUM_BLOCKS, logit, float("-inf"))
             e = tl.exp(logit - tl.max(logit, axis=0))
             w = e / tl.sum(e, axis=0)
             mixed = tl.sum(w[:, None] * x, axis=0).to(dtype)
@@ -506,10 +524,12 @@ def parse_shape(name: str, H: int) -> LaunchShape:
 
 
 def tile_rows(shape: LaunchShape, num_blocks: int) -> int:
-    """Rows of the source tile a program of ``shape`` holds in registers."""
+    """Live rows of the source tile a program of ``shape`` holds in registers: the block
+    count is compiled in, so the rows a power-of-two tile has past the sources are never
+    loaded (a row tile holds blocks only; the split kernel's, every source)."""
     if shape.kind == "row":
-        return shape.sources_per_tile
-    return max(2, triton.next_power_of_2(num_blocks + 1))
+        return min(shape.sources_per_tile, max(1, num_blocks))
+    return num_blocks + 1
 
 
 def table_shape(T: int, H: int, num_blocks: int, element_size: int = 2) -> LaunchShape | None:
@@ -641,6 +661,7 @@ def attn_res(
     shape: LaunchShape | Mapping[str, Any] | None = None,
     split_phases: bool = False,
     words: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> None:
     """Launch the AttnRes kernel on row views.
 
@@ -658,7 +679,8 @@ def attn_res(
     (one launch per phase, three with an output norm: what the interpreter always does;
     a GPU test compares the two forms). ``words`` (tests of the exchange protocol): the
     split kernel's words, given (at least ``T`` x words per token, int64) instead of fresh
-    zeroed ones.
+    zeroed ones. ``pdl``: launch as the previous launch's programmatic dependent (None:
+    wherever the GPU can, :func:`_launch.pdl_launch`; never for ``split_phases``).
     """
     tensors = [prefix, blocks, norm_w, proj_w, out]
     if delta is not None:
@@ -668,6 +690,7 @@ def attn_res(
     if out_norm_w is not None:
         tensors.append(out_norm_w)
     check_launchable(*tensors)
+    pdl = pdl_launch(prefix.device, pdl) and not split_phases
     T, H = prefix.shape
     if T == 0:
         return
@@ -687,13 +710,14 @@ def attn_res(
         prefix_out if has_delta else prefix, (prefix_out if has_delta else prefix).stride(0),
         delta if has_delta else prefix, (delta if has_delta else prefix).stride(0),
         blocks, blocks.stride(0), blocks.stride(1),
-        int(num_blocks),
         int(block_write_idx) if write else 0,
         norm_w, proj_w, out_norm_w if has_norm else norm_w,
         out, out.stride(0),
     )
     flags = dict(HAS_DELTA=has_delta, WRITE_BLOCK=write, HAS_OUT_NORM=has_norm,
-                 OUT_WEIGHT_IN_FP32=bool(out_weight_in_fp32), num_warps=shape.num_warps)
+                 OUT_WEIGHT_IN_FP32=bool(out_weight_in_fp32), NUM_BLOCKS=int(num_blocks),
+                 num_warps=shape.num_warps,
+                 PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     if shape.kind == "row":
         _attn_res_kernel[(T,)](*common, H, float(eps), float(out_eps),
                                BLOCK_H=shape.block_h, SOURCES_PER_TILE=shape.sources_per_tile,
@@ -708,8 +732,7 @@ def attn_res(
         raise ValueError(f"{n_chunks} programs per token: at most {SYNC_EPOCH.value - 1} "
                          f"(use a wider chunk)")
     n_chunks_pad = triton.next_power_of_2(n_chunks)
-    # Bucketed so the block counts of a model (0..8 for Kimi-K3) share a few variants,
-    # all compiled in the first step; num_blocks itself stays a runtime argument.
+    # The sources' tile: the block count (and the prefix) rounded up to a power of two.
     s_pad = max(2, triton.next_power_of_2(num_blocks + 1))
     token_words = 1 + n_chunks_pad * (2 * s_pad + 1)
     interpreted = prefix.device.type == "cpu" and interpreter_enabled()

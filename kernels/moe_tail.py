@@ -18,7 +18,6 @@ Each form's design and the interpreter's constraints: docs/design-notes.md, "ker
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +27,9 @@ import triton.language as tl
 from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
-from ._launch import (TL_DTYPES, kernels_are_interpreted, cdiv, launch_scratch,
-                      gdc_launch_dependents, gdc_wait, interpreter_enabled, on_tensor_device)
+from ._launch import (TL_DTYPES, kernels_are_interpreted, cdiv, cuda_index, cuda_properties,
+                      launch_scratch, gdc_launch_dependents, gdc_wait, interpreter_enabled,
+                      on_tensor_device, pdl_available)
 from .rms_norm import rms_norm
 
 __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "resolve_config",
@@ -283,21 +283,11 @@ class LaunchConfig:
 _DEFAULT_SMS = 132
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_properties(index: int):
-    # Asked once per device: every default launch reads them (a decode step's launch path).
-    return torch.cuda.get_device_properties(index)
-
-
-def _cuda_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (a fixed guess off CUDA)."""
     if device.type != "cuda":
         return _DEFAULT_SMS
-    return _cuda_properties(_cuda_index(device)).multi_processor_count
+    return cuda_properties(cuda_index(device)).multi_processor_count
 
 
 def block_m_for(tokens: int, gemv: bool = False) -> int:
@@ -375,18 +365,6 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
 #: Dot-form launches of up to this many token rows take the PDL norm-launch form by default
 #: (docs/experiments.md, "2026-12-02: the tail as a norm launch + a GEMM (issue 17)").
 PDL_MAX_BLOCK_M = 32
-
-
-def pdl_available(device: torch.device) -> bool:
-    """Whether launches on ``device`` run as programmatic dependents: NVIDIA sm_90+ with a
-    Triton that has ``gdc_wait`` (not ROCm, whose capability numbers overlap); on CPU the
-    interpreter runs a PDL form's two launches one after the other."""
-    if device.type == "cpu":
-        return True
-    if device.type != "cuda" or torch.version.hip is not None or gdc_wait is None:
-        return False
-    props = _cuda_properties(_cuda_index(device))
-    return (props.major, props.minor) >= (9, 0)
 
 
 #: Most bytes of pipeline stages (weight and token tiles) for which the automatic choice

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, check_launchable, on_tensor_device
+from ._launch import (cdiv, check_launchable, gdc_launch_dependents, gdc_wait, on_tensor_device,
+                      pdl_launch)
 from .rms_norm import rms_norm_rows
 
 __all__ = ["dual_rms_norm", "pick_launch_shape", "LaunchShape"]
@@ -40,7 +41,15 @@ def _dual_rms_norm_kernel(
     ROWS2: tl.constexpr,
     WEIGHT_IN_FP32_1: tl.constexpr,
     WEIGHT_IN_FP32_2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        # Launched as the previous launch's programmatic dependent: this launch's start
+        # overlaps its tail. Wait for it (and, through it, everything before) before any
+        # load, weights included (a training step may have just written them), then let
+        # the next launch start too.
+        gdc_wait()
+        gdc_launch_dependents()
     # Programs [0, n_programs1) take tiles of the first norm, the rest tiles of the
     # second: the two norms run side by side instead of one after the other, and each
     # program's tile is about the same size (ROWS2 = ROWS1 * BLOCK_COLS1 / BLOCK_COLS2).
@@ -97,15 +106,18 @@ def dual_rms_norm(
     weight_in_fp32_2: bool = False,
     rows_per_program: int = 0,
     num_warps: int = 0,
+    pdl: bool | None = None,
 ) -> None:
     """Launch the fused kernel on 2-D row views ``x1 [T1, N1]``, ``x2 [T2, N2]``.
 
     ``y1``/``y2`` are preallocated outputs with the same shapes (any row stride, last
     dim contiguous). Arguments are validated by the caller (``k3fusion.ops``); this
     only checks what the kernel itself needs. ``rows_per_program``/``num_warps`` of 0
-    pick by size (:func:`pick_launch_shape`).
+    pick by size (:func:`pick_launch_shape`). ``pdl``: launch as the previous launch's
+    programmatic dependent (None: wherever the GPU can, :func:`_launch.pdl_launch`).
     """
     check_launchable(x1, w1, y1, x2, w2, y2)
+    pdl = pdl_launch(x1.device, pdl)
     n_rows1, n_cols1 = x1.shape
     n_rows2, n_cols2 = x2.shape
     if max(n_rows1, n_rows2) == 0:
@@ -125,5 +137,7 @@ def dual_rms_norm(
         ROWS2=shape.rows2,
         WEIGHT_IN_FP32_1=bool(weight_in_fp32_1),
         WEIGHT_IN_FP32_2=bool(weight_in_fp32_2),
+        PDL=pdl,
         num_warps=shape.num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )

@@ -21,6 +21,7 @@ How a launch is checked (:func:`check_launch`), stage by stage, each against the
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 
 import pytest
@@ -433,19 +434,21 @@ def test_kernels_are_interpreted_on_cpu() -> None:
     assert kernels_are_interpreted()
 
 
-def test_num_blocks_is_a_runtime_argument() -> None:
-    """Block counts change per layer: the kernel must not specialize on them (Triton
-    would for an int equal to 1 or divisible by 16), so a new count never recompiles."""
-    if INTERPRETED:
-        not_specialized = set(_attn_res_kernel.kwargs["do_not_specialize"])
-    else:
-        not_specialized = {p.name for p in _attn_res_kernel.params if p.do_not_specialize}
-    assert {"num_blocks", "block_write_idx"} <= not_specialized
-    if INTERPRETED:
-        not_specialized = set(_attn_res_split_kernel.kwargs["do_not_specialize"])
-    else:
-        not_specialized = {p.name for p in _attn_res_split_kernel.params if p.do_not_specialize}
-    assert {"num_blocks", "block_write_idx"} <= not_specialized
+def test_block_count_is_a_constexpr_and_the_write_index_a_runtime_argument() -> None:
+    """The block count is compiled in (one variant per count: a tile's rows past it are
+    not loaded at all; docs/experiments.md, "2026-12-03: the block count as a constexpr"),
+    the write index is not specialized on (Triton would for an int equal to 1 or
+    divisible by 16)."""
+    for kernel in (_attn_res_kernel, _attn_res_split_kernel):
+        if INTERPRETED:
+            not_specialized = set(kernel.kwargs["do_not_specialize"])
+            constexprs = {name for name, p in inspect.signature(kernel.fn).parameters.items()
+                          if "constexpr" in str(p.annotation)}
+        else:
+            not_specialized = {p.name for p in kernel.params if p.do_not_specialize}
+            constexprs = {p.name for p in kernel.params if p.is_constexpr}
+        assert "block_write_idx" in not_specialized
+        assert "NUM_BLOCKS" in constexprs and "num_blocks" not in not_specialized
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -805,9 +808,9 @@ def test_split_kernel_one_program_form_compiles_for_hopper() -> None:
     """The one-program form compiles for sm_90 (the interpreter never builds it) with no
     exchange left in it: no atomics, no volatile polls."""
     ptx = hopper_ptx("k3fusion.kernels.attn_res:_attn_res_split_kernel", "the one-program form",
-                     dict(CHUNK=2048, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=16, HAS_DELTA=True,
-                          WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False,
-                          PHASE=0),
+                     dict(CHUNK=2048, NUM_BLOCKS=9, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=16,
+                          HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True,
+                          OUT_WEIGHT_IN_FP32=False, PHASE=0, PDL=False),
                      pointers={"words_ptr": "*i64"}, num_warps=8)
     assert "atom" not in ptx and "ld.volatile" not in ptx
 
@@ -820,9 +823,9 @@ def test_split_kernel_exchange_compiles_for_hopper() -> None:
     GPU-scope exchanges, polls with volatile (relaxed) 64-bit loads; no fence, no
     acquire/release atomic."""
     ptx = hopper_ptx("k3fusion.kernels.attn_res:_attn_res_split_kernel", "the split kernel",
-                     dict(CHUNK=512, N_CHUNKS=14, N_CHUNKS_PAD=16, S_PAD=16, HAS_DELTA=True,
-                          WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False,
-                          PHASE=0),
+                     dict(CHUNK=512, NUM_BLOCKS=9, N_CHUNKS=14, N_CHUNKS_PAD=16, S_PAD=16,
+                          HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True,
+                          OUT_WEIGHT_IN_FP32=False, PHASE=0, PDL=False),
                      pointers={"words_ptr": "*i64"}, num_warps=2)
     lines = [line.strip() for line in ptx.splitlines()]
     assert not [x for x in lines if x.startswith("fence.")]
@@ -842,9 +845,9 @@ def test_row_kernel_source_loop_loads_evict_first() -> None:
     """The decode shape's looped source loads carry the evict-first hint (worth 4% at
     T = 128 on the H200): rows read once per call go ahead of the rows it writes."""
     ptx = hopper_ptx("k3fusion.kernels.attn_res:_attn_res_kernel", "the row kernel",
-                     dict(BLOCK_H=1024, SOURCES_PER_TILE=4, LOOP_STAGES=1, EARLY_TILE=True,
-                          HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True,
-                          OUT_WEIGHT_IN_FP32=False))
+                     dict(BLOCK_H=1024, NUM_BLOCKS=8, SOURCES_PER_TILE=4, LOOP_STAGES=1,
+                          EARLY_TILE=True, HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True,
+                          OUT_WEIGHT_IN_FP32=False, PDL=False))
     # predicated loads: "@%p1 ld.global..."
     loads = [x.split()[1] for x in ptx.splitlines() if " ld.global" in x]
     hinted = [x for x in loads if x.startswith("ld.global.L1::evict_first.L2::cache_hint")]
@@ -853,6 +856,28 @@ def test_row_kernel_source_loop_loads_evict_first() -> None:
     assert len(hinted) == 4 * 1024 // 128, (len(hinted), sorted(set(loads)))
     assert len(hinted) < len(loads)
     assert "createpolicy.fractional.L2::evict_first" in ptx
+
+
+@pytest.mark.parametrize("kernel", ["_attn_res_kernel", "_attn_res_split_kernel"])
+def test_pdl_form_waits_before_its_first_load(kernel: str) -> None:
+    """``PDL``: the launch may start while the previous one runs, so it waits for it
+    (griddepcontrol.wait) before any global load -- weights included -- then lets the
+    next launch start; without PDL neither instruction is there."""
+    const = (dict(BLOCK_H=1024, NUM_BLOCKS=3, SOURCES_PER_TILE=4, LOOP_STAGES=1,
+                  EARLY_TILE=True) if kernel == "_attn_res_kernel" else
+             dict(CHUNK=1024, NUM_BLOCKS=3, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=4, PHASE=0))
+    const.update(HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False)
+    for pdl in (True, False):
+        ptx = hopper_ptx(f"k3fusion.kernels.attn_res:{kernel}", f"{kernel} PDL={pdl}",
+                         dict(const, PDL=pdl), pointers={"words_ptr": "*i64"})
+        lines = [x.strip() for x in ptx.splitlines()]
+        at = [i for i, x in enumerate(lines) if "griddepcontrol.wait" in x]
+        go = [i for i, x in enumerate(lines) if "griddepcontrol.launch_dependents" in x]
+        loads = [i for i, x in enumerate(lines) if "ld.global" in x]
+        if pdl:
+            assert len(at) == 1 and len(go) == 1 and at[0] < go[0] < min(loads), (at, go)
+        else:
+            assert not at and not go
 
 
 # --------------------------------------------------------------- the tolerance helpers

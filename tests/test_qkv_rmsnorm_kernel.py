@@ -14,6 +14,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from _ptx import hopper_ptx
 from _tolerances import (
     assert_close_ulps,
     assert_matches_reference,
@@ -210,6 +211,36 @@ def test_mixed_devices_rejected() -> None:
                torch.empty_like(x), torch.empty_like(x), False, False)
 
 
+def test_pdl_needs_a_gpu_and_is_a_bool() -> None:
+    x = torch.randn(2, 8, device=DEVICE)
+    w = torch.ones(8, device=DEVICE)
+    args = (x, w, 1e-6, x, w, 1e-6, torch.empty_like(x), torch.empty_like(x))
+    with pytest.raises(TypeError, match="pdl"):
+        launch(*args, pdl=1)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="pdl=True"):
+            launch(*args, pdl=True)
+
+
+def test_pdl_form_waits_before_its_first_load() -> None:
+    """``PDL``: the launch may start while the previous one runs, so it waits for it
+    (griddepcontrol.wait) before any global load -- the weights too, which a training
+    step's previous launch may have written -- then lets the next launch start."""
+    const = dict(BLOCK_COLS1=2048, BLOCK_COLS2=512, ROWS1=1, ROWS2=4, WEIGHT_IN_FP32_1=False,
+                 WEIGHT_IN_FP32_2=False)
+    for pdl in (True, False):
+        ptx = hopper_ptx("k3fusion.kernels.qkv_rmsnorm:_dual_rms_norm_kernel",
+                         f"the q/kv kernel PDL={pdl}", dict(const, PDL=pdl), num_warps=2)
+        lines = [x.strip() for x in ptx.splitlines()]
+        at = [i for i, x in enumerate(lines) if "griddepcontrol.wait" in x]
+        go = [i for i, x in enumerate(lines) if "griddepcontrol.launch_dependents" in x]
+        loads = [i for i, x in enumerate(lines) if "ld.global" in x]
+        if pdl:
+            assert len(at) == 1 and len(go) == 1 and at[0] < go[0] < min(loads), (at, go)
+        else:
+            assert not at and not go
+
+
 # --------------------------------------------------------------- the tolerance helper
 
 
@@ -268,6 +299,40 @@ class TestDualRmsNormCuda:
     def test_launcher(self, T: int, weight_in_fp32: bool, rows_per_program: int) -> None:
         q, kv = self._pair(T, weight_in_fp32)
         run_and_check(q, kv, rows_per_program, seed=T, bf16_casts_truncate=False, device="cuda")
+
+    @pytest.mark.parametrize("T", [1, 7, 4099])
+    def test_pdl_reads_what_the_previous_launch_wrote(self, T: int) -> None:
+        """Each launch as the previous one's programmatic dependent, captured in a CUDA
+        graph: launch i reads the rows and weights launch i - 1 just wrote (its outputs),
+        so a load issued before the wait would read stale values. Bits equal to the
+        same chain launched without PDL."""
+        gen = torch.Generator().manual_seed(T)
+        x1 = torch.randn(T, 1536, generator=gen).to("cuda", torch.bfloat16)
+        x2 = torch.randn(T, 512, generator=gen).to("cuda", torch.bfloat16)
+        w1 = (1 + 0.1 * torch.randn(1536, generator=gen)).to("cuda", torch.bfloat16)
+        w2 = (1 + 0.1 * torch.randn(512, generator=gen)).to("cuda", torch.bfloat16)
+
+        def chain(pdl: bool, steps: int = 6):
+            a1, a2, v1, v2 = x1.clone(), x2.clone(), w1.clone(), w2.clone()
+            outs = []
+            for _ in range(steps):
+                y1, y2 = torch.empty_like(a1), torch.empty_like(a2)
+                launch(a1, v1, 1e-6, a2, v2, 1e-6, y1, y2, pdl=pdl)
+                # the next launch's rows are these outputs, its weights one of their rows
+                outs += [y1, y2]
+                a1, a2, v1, v2 = y1, y2, y1[0], y2[-1]
+            return outs
+
+        eager = chain(False)
+        graph = torch.cuda.CUDAGraph()
+        chain(True)  # compile outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            captured = chain(True)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, eager):
+            assert torch.equal(got, want)
 
     @pytest.mark.parametrize("T", [1, 7, 128, 4099])
     def test_launcher_fp32_weight(self, T: int) -> None:

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from k3fusion import reference
 from k3fusion.kernels.attn_res import attn_res as launch
-from k3fusion.kernels.attn_res import pick_launch_shape
+from k3fusion.kernels.attn_res import pick_launch_shape, tile_rows
 
 from . import peers as peer_kernels
 from .common import add_peers_argument, environment, hf_rms_norm
@@ -64,14 +64,18 @@ ROW_PIPELINED = ((1, 4, 3), (1, 8, 3), (2, 8, 3))
 #: The split kernel's (columns per program, warps).
 SPLIT_SHAPES = ((512, 4), (1024, 4), (2048, 8), (4096, 16))
 SOLO_WARPS = (4, 8, 16)
-#: Most source-tile elements per thread a candidate (but the defaults) may hold: past it
-#: the tile spills (and ptxas takes long to say so); the early tile of all 8 blocks at
-#: H 7168 was already slower at 64 per thread (docs/experiments.md, "2026-11-29: more early
-#: loads; the prefill shape sweep"). The launch table's bound too
+#: Most live source-tile elements per thread a candidate (but the defaults) may hold: past
+#: it the tile spills (and ptxas takes long to say so). 192 since the block count is
+#: compiled in (six live rows of 7168 over 8 warps ran fine; docs/experiments.md,
+#: "2026-12-03: the block count as a constexpr"). The launch table's bound too
 #: (``kernels.attn_res.TILE_MAX_PER_THREAD``, equal: a test checks).
-MAX_PER_THREAD = 128
+MAX_PER_THREAD = 192
 #: Bytes-only kernel shapes: (columns per program, 0 = the whole row; warps).
 BYTES_ONLY_SHAPES = ((0, 4), (0, 8), (0, 16), (1024, 4), (512, 4))
+#: ``--focus``: time only these shapes (and the default and previous default) at each
+#: point; ``S`` in a label stands for the widest source tile there (every block at once).
+#: None: every candidate.
+FOCUS: tuple[str, ...] | None = None
 
 
 def _pow2(n: int) -> int:
@@ -114,10 +118,10 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
 
     block_h, sources = _pow2(H), _pow2(nb + 1)
 
-    def add(kw: dict, rows: int = 0, bounded: bool = True) -> None:
+    def add(kw: dict, bounded: bool = True) -> None:
         shape = pick_launch_shape(T, H, nb, **kw)
         width = shape.chunk or shape.block_h
-        if bounded and rows * width > MAX_PER_THREAD * 32 * shape.num_warps:
+        if bounded and tile_rows(shape, nb) * width > MAX_PER_THREAD * 32 * shape.num_warps:
             return
         if chosen_only and bounded and not is_public_form(kw):
             return
@@ -128,16 +132,16 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
     if T <= 32:
         for chunk, w in SPLIT_SHAPES:
             if chunk < block_h:
-                add({"kind": "split", "chunk": chunk, "num_warps": w}, max(2, sources))
+                add({"kind": "split", "chunk": chunk, "num_warps": w})
     for w in SOLO_WARPS if T <= 512 else SOLO_WARPS[-1:]:
-        add({"kind": "split", "chunk": block_h, "num_warps": w}, max(2, sources))
+        add({"kind": "split", "chunk": block_h, "num_warps": w})
     tiles = [s for s in ROW_TILES if s <= sources]
     if T <= 128:
         for spt in tiles:
             for w in ROW_WARPS:
                 for early in ((True, False) if T <= 32 else (False,)):
                     add({"kind": "row", "sources_per_tile": spt, "num_warps": w,
-                         "loop_stages": 1, "early_tile": early}, spt)
+                         "loop_stages": 1, "early_tile": early})
     else:
         for spt, w in ((4, 16), (2, 8)):
             if spt in tiles:
@@ -148,6 +152,10 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
             if spt in tiles:
                 add({"kind": "row", "sources_per_tile": spt, "num_warps": w, "loop_stages": st,
                      "early_tile": False})
+    if FOCUS is not None:
+        widest = f"r{tiles[-1]}" if tiles else None
+        want = {f.replace("rS", widest) if widest else f for f in FOCUS}
+        out = {name: kw for i, (name, kw) in enumerate(out.items()) if i < 2 or name in want}
     return out
 
 
@@ -812,6 +820,9 @@ def main(argv=None) -> int:
     p.add_argument("--hiddens", type=int, nargs="+", help="override the widths")
     p.add_argument("--num-blocks", type=int, nargs="+", help="override the block counts")
     p.add_argument("--tokens", type=int, nargs="+", help="override the token counts")
+    p.add_argument("--focus", nargs="+", metavar="SHAPE",
+                   help="time only these shapes besides the default and previous default "
+                        "(labels as in the launch table; rSxW: the widest source tile)")
     p.add_argument("--tables-from", type=Path, metavar="JSON",
                    help="only print the tables of an earlier run's attn_res_sweep.json")
     p.add_argument("--heatmap", type=Path, metavar="PNG",
@@ -821,6 +832,8 @@ def main(argv=None) -> int:
     add_peers_argument(p)
     args = p.parse_args(argv)
     peers = peer_kernels.from_args(p, args, "attn_res")
+    global FOCUS
+    FOCUS = tuple(args.focus) if args.focus else None
     if args.tables_from:
         result = json.loads(args.tables_from.read_text())
         print(selection_table(result) + "\n\n" + point_table(result))
