@@ -8,8 +8,10 @@ the four feature switches (``HAS_DELTA``, ``WRITE_BLOCK``, ``HAS_OUT_NORM``,
 fence, no barrier) and the **row** kernel for more (one program per token, an online
 softmax over the sources). Which one, and its tile, by (T, H, completed blocks, dtype)
 from the measured :data:`LAUNCH_TABLE`, else the rule in :func:`pick_launch_shape`.
-``num_blocks`` and ``block_write_idx`` are runtime arguments (a new block count never
-recompiles); offsets are int64.
+The block count is compiled in (``NUM_BLOCKS``: one variant per count, so a tile's rows
+past it are never loaded), the write index is a runtime argument; offsets are int64.
+Both kernels launch as the previous launch's programmatic dependent (``PDL``) where the
+GPU can, every load after the wait.
 
 The per-token steps, both kernels' designs (the split kernel's epoch exchange protocol
 and what it requires), the interpreter's form: docs/design-notes.md, "kernels/attn_res.py".
@@ -583,8 +585,7 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
       than :data:`LOOP_SMEM_BYTES`); never more sources per tile than there are sources
       (rounded up to a power of two).
 
-    ``num_blocks`` is a runtime argument of both kernels: it only picks among these
-    shapes. ``kind`` ("split"/"row"), ``chunk``, ``sources_per_tile`` and ``num_warps``
+    ``kind`` ("split"/"row"), ``chunk``, ``sources_per_tile`` and ``num_warps``
     override (tests, the benchmark sweep); ``sources_per_tile > 0`` implies the row kernel,
     ``chunk > 0`` (without it) the split kernel; a ``loop_stages`` or ``early_tile`` given
     is taken as is.
