@@ -11,7 +11,7 @@ import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "kernels_are_interpreted", "check_launchable",
            "launch_scratch", "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait",
-           "cuda_properties", "cuda_index", "pdl_available", "pdl_launch"]
+           "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start"]
 
 try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -105,6 +105,17 @@ def pdl_launch(device: torch.device, pdl: bool | None) -> bool:
         raise ValueError(f"pdl=True needs an sm_90+ CUDA device and a Triton with "
                          f"triton.language.extra.cuda.gdc_wait, got {device}")
     return on_gpu if pdl is None else pdl
+
+
+@triton.jit
+def dependent_start(PDL: tl.constexpr):
+    """First thing in a kernel with a ``PDL`` switch (see :func:`pdl_launch`): launched as
+    the previous launch's programmatic dependent, it waits for it -- and through it for
+    everything before -- before any load (weights included: a training step may have just
+    written them), then lets the next launch start."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def check_launchable(*tensors: torch.Tensor) -> None:

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (cdiv, check_launchable, gdc_launch_dependents, gdc_wait,
-                      interpreter_enabled, launch_scratch, on_tensor_device, pdl_launch)
+from ._launch import (cdiv, check_launchable, dependent_start, interpreter_enabled,
+                      launch_scratch, on_tensor_device, pdl_launch)
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
@@ -112,17 +112,6 @@ LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
 
 
 # ---------------------------------------------------------------------- shared pieces
-
-
-@triton.jit
-def _dependent_start(PDL: tl.constexpr):
-    """``PDL``: this launch started while the previous one ran (programmatic dependent
-    launch): wait for it, and through it for everything before, before any load (weights
-    included: a training step may have just written them), then let the next launch
-    start. Both kernels call it first."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -234,7 +223,7 @@ def _attn_res_kernel(
     PDL: tl.constexpr,
 ):
     """One program per token (``grid = (T,)``), online softmax over the sources."""
-    _dependent_start(PDL)
+    dependent_start(PDL)
     tok = tl.program_id(0).to(tl.int64)  # int64: token * stride overflows int32
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
@@ -381,7 +370,7 @@ def _attn_res_split_kernel(
     of token ``t``. ``PHASE`` 0 runs all of it, exchanging through epoch-tagged words;
     the interpreter runs 1 (up to the source sums), 2 (up to the mix's sum of squares, or
     the output when there is no norm) and 3 (the normed output) as separate launches."""
-    _dependent_start(PDL)
+    dependent_start(PDL)
     chunk = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)

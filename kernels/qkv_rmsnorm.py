@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (cdiv, check_launchable, gdc_launch_dependents, gdc_wait, on_tensor_device,
-                      pdl_launch)
+from ._launch import cdiv, check_launchable, dependent_start, on_tensor_device, pdl_launch
 from .rms_norm import rms_norm_rows
 
 __all__ = ["dual_rms_norm", "pick_launch_shape", "LaunchShape"]
@@ -43,13 +42,7 @@ def _dual_rms_norm_kernel(
     WEIGHT_IN_FP32_2: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        # Launched as the previous launch's programmatic dependent: this launch's start
-        # overlaps its tail. Wait for it (and, through it, everything before) before any
-        # load, weights included (a training step may have just written them), then let
-        # the next launch start too.
-        gdc_wait()
-        gdc_launch_dependents()
+    dependent_start(PDL)
     # Programs [0, n_programs1) take tiles of the first norm, the rest tiles of the
     # second: the two norms run side by side instead of one after the other, and each
     # program's tile is about the same size (ROWS2 = ROWS1 * BLOCK_COLS1 / BLOCK_COLS2).

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-__all__ = ["run_compile_script", "hopper_ptx"]
+__all__ = ["run_compile_script", "hopper_ptx", "assert_pdl_order"]
 
 
 def run_compile_script(script: str, what: str, timeout_s: float = 300.0) -> str:
@@ -50,3 +50,16 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32),
                      options={{"num_warps": {num_warps}}}).asm["ptx"])
 """
     return run_compile_script(script, what)
+
+
+def assert_pdl_order(ptx: str, pdl: bool) -> None:
+    """A ``PDL`` form waits for the previous launch (griddepcontrol.wait) before any global
+    load, then lets the next launch start; without PDL neither instruction is there."""
+    lines = [x.strip() for x in ptx.splitlines()]
+    at = [i for i, x in enumerate(lines) if "griddepcontrol.wait" in x]
+    go = [i for i, x in enumerate(lines) if "griddepcontrol.launch_dependents" in x]
+    loads = [i for i, x in enumerate(lines) if "ld.global" in x]
+    if pdl:
+        assert len(at) == 1 and len(go) == 1 and at[0] < go[0] < min(loads), (at, go)
+    else:
+        assert not at and not go

@@ -29,7 +29,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ptx import hopper_ptx
+from _ptx import assert_pdl_order, hopper_ptx
 from _tolerances import (assert_close_ulps, assert_matches_reference, dual_norm_tolerance,
                          ulp)
 from k3fusion import reference
@@ -870,14 +870,7 @@ def test_pdl_form_waits_before_its_first_load(kernel: str) -> None:
     for pdl in (True, False):
         ptx = hopper_ptx(f"k3fusion.kernels.attn_res:{kernel}", f"{kernel} PDL={pdl}",
                          dict(const, PDL=pdl), pointers={"words_ptr": "*i64"})
-        lines = [x.strip() for x in ptx.splitlines()]
-        at = [i for i, x in enumerate(lines) if "griddepcontrol.wait" in x]
-        go = [i for i, x in enumerate(lines) if "griddepcontrol.launch_dependents" in x]
-        loads = [i for i, x in enumerate(lines) if "ld.global" in x]
-        if pdl:
-            assert len(at) == 1 and len(go) == 1 and at[0] < go[0] < min(loads), (at, go)
-        else:
-            assert not at and not go
+        assert_pdl_order(ptx, pdl)
 
 
 # --------------------------------------------------------------- the tolerance helpers

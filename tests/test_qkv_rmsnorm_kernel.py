@@ -14,7 +14,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ptx import hopper_ptx
+from _ptx import assert_pdl_order, hopper_ptx
 from _tolerances import (
     assert_close_ulps,
     assert_matches_reference,
@@ -231,14 +231,7 @@ def test_pdl_form_waits_before_its_first_load() -> None:
     for pdl in (True, False):
         ptx = hopper_ptx("k3fusion.kernels.qkv_rmsnorm:_dual_rms_norm_kernel",
                          f"the q/kv kernel PDL={pdl}", dict(const, PDL=pdl), num_warps=2)
-        lines = [x.strip() for x in ptx.splitlines()]
-        at = [i for i, x in enumerate(lines) if "griddepcontrol.wait" in x]
-        go = [i for i, x in enumerate(lines) if "griddepcontrol.launch_dependents" in x]
-        loads = [i for i, x in enumerate(lines) if "ld.global" in x]
-        if pdl:
-            assert len(at) == 1 and len(go) == 1 and at[0] < go[0] < min(loads), (at, go)
-        else:
-            assert not at and not go
+        assert_pdl_order(ptx, pdl)
 
 
 # --------------------------------------------------------------- the tolerance helper
