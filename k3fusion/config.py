@@ -81,6 +81,10 @@ class FusionConfig:
     qkv_rmsnorm: bool = True
     #: Fuse each Block AttnRes chain (delta add, mix, output norm) into one kernel.
     attn_res: bool = True
+    #: Training compiles: a fused AttnRes site's backward runs the fused backward kernel
+    #: (the joint graph's backward is traced again from the fused forward); False keeps
+    #: default Inductor's backward, which recomputes the chain.
+    fused_backward: bool = True
     #: Log, for every recognized RMSNorm left unfused, why (logger ``k3fusion``).
     debug: bool = False
     #: Rows handled by one program of the dual RMSNorm kernel; 0 picks by size. A power of

@@ -25,6 +25,7 @@ from torch.fx import Graph, Node
 from . import patterns
 from .config import FusionConfig, get_config
 from .counters import record_matches
+from .joint_retrace import retrace_joint
 # fuse_attn_res stays importable here: tests/test_compile_never_fails.py patches it in
 # this module (the registry's FUSION.run reaches it through patterns.attn_res).
 from .patterns.attn_res import fuse_attn_res  # noqa: F401
@@ -48,8 +49,8 @@ def _digest_files() -> list[Path]:
     runs: their fake implementations and argument checks)."""
     files = sorted(Path(patterns.__file__).parent.glob("*.py"))
     root = Path(__file__).parent
-    files += [root / name
-              for name in ("pass_manager.py", "reference.py", "config.py", "counters.py")]
+    files += [root / name for name in ("pass_manager.py", "joint_retrace.py", "reference.py",
+                                       "config.py", "counters.py")]
     files += sorted((root / "ops").glob("*.py"))
     # the tail op's fake implementation and argument rules run while a graph is traced
     files += [root / "moe_tail" / "op.py", root / "moe_tail_args.py"]
@@ -196,7 +197,35 @@ class K3JointPass(K3FusionPass):
     def __call__(self, graph: Graph) -> None:
         values = joint_backward_values(graph)
         if values is not None and self._guarded(graph, values):
-            recompute_in_backward(graph, values)
+            if not self._fused_backward(graph):
+                recompute_in_backward(graph, values)
+
+    def _fused_backward(self, graph: Graph) -> bool:
+        """Re-derive the backward from the fused forward, so that fused AttnRes sites run
+        the fused backward kernel (``joint_retrace``); False leaves the backward traced
+        from the unfused chain (the caller then marks the chain for recomputation)."""
+        if not self.config.fused_backward or not any(
+                n.op == "call_function" and n.target is torch.ops.k3fusion.attn_res.default
+                for n in graph.nodes):
+            return False
+        counts = {n: n.meta[JOINT_COUNTS] for n in graph.nodes if JOINT_COUNTS in n.meta}
+        try:
+            why = retrace_joint(graph)
+        except Exception:
+            if RAISE_INTERNAL_ERRORS:
+                raise
+            log.warning("k3fusion: re-deriving a training graph's backward failed; its fused "
+                        "AttnRes sites run default Inductor's backward instead (please "
+                        "report this with the traceback below)", exc_info=True)
+            return False
+        if why is not None:
+            log.info("k3fusion: fused AttnRes backward not used in this graph: %s", why)
+            return False
+        if counts:  # the counts ride on the new graph's first fused op
+            fused = next(n for n in graph.nodes if n.op == "call_function"
+                         and getattr(n.target, "namespace", None) == "k3fusion")
+            fused.meta[JOINT_COUNTS] = next(iter(counts.values()))
+        return True
 
     def _record(self, graph: Graph, counts: dict[str, int]) -> None:
         # Not here: the joint pass runs outside the compile whose counter changes Inductor

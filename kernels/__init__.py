@@ -9,6 +9,6 @@ The package holds the modules, not their launchers (``kernels.attn_res`` is the 
 its launcher is ``kernels.attn_res.attn_res``): no attribute shadows a module.
 """
 
-from . import attn_res, moe_tail, qkv_rmsnorm, rms_norm
+from . import attn_res, attn_res_backward, moe_tail, qkv_rmsnorm, rms_norm
 
-__all__ = ["attn_res", "moe_tail", "qkv_rmsnorm", "rms_norm"]
+__all__ = ["attn_res", "attn_res_backward", "moe_tail", "qkv_rmsnorm", "rms_norm"]

@@ -1,10 +1,12 @@
 """Gradients of the functional ops (issue 28): ``rms_norm``, ``dual_rms_norm`` (the q/kv
 pair), ``attn_res`` (mix, prefix update, output norm) and ``latent_moe_tail`` (tp = 1)
-differentiate their reference formulas (``k3fusion/ops/_backward.py``).
+differentiate their reference formulas (``k3fusion/ops/_backward.py``); AttnRes has a
+fused backward kernel on the kernel path.
 
 Three checks per draw: the op's gradients are bit for bit those of ``k3fusion.reference``
 under autograd in the same dtype, on the plain-torch path and with the forward in the
-Triton interpreter (the backward recomputes the reference either way); so are its second
+Triton interpreter (the backward recomputes the reference), except AttnRes's fused
+backward, held to twice the reference's own error plus 4 ulps; its second
 derivatives (a double backward through the first gradients, as a gradient penalty takes
 it); and fp32 gradients within 2**-17 of the largest (64 fp32 ulps, rows of at most 40)
 of the fp64 reference's. Random token counts (0 and
@@ -20,6 +22,7 @@ from hypothesis import given, strategies as st
 import k3fusion
 from k3fusion import reference
 
+from _exact import attn_res_fp64
 from _kernel_paths import cpu_path
 
 ops = torch.ops.k3fusion
@@ -58,12 +61,39 @@ def _second_grads(fn, inputs, weights, g):
     return torch.autograd.grad(penalty, leaves, allow_unused=True)
 
 
-def _check(op_fn, ref_fn, tensors, dtype, g, out_shapes):
+def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if b.numel() else 0.0
+
+
+def _check_fused_backward(got, want, exact, dtype):
+    """A fused backward (fp32 throughout, one rounding at the end) against the exact
+    gradients: at most twice the reference's own error in ``dtype`` (fp32 sums; in 16-bit
+    dtypes its roundings, of intermediate gradients too) plus 4 units in the last place
+    of the largest."""
+    for a, b, e in zip(got, want, exact):
+        assert (a is None) == (b is None)
+        if a is None or not e.numel():
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape
+        spacing = float(torch.finfo(dtype).eps) * (float(e.abs().max()) + 1)
+        bound = 2 * _max_error(b, e) + 4 * spacing
+        assert _max_error(a, e) <= bound, ("fused backward", _max_error(a, e), bound)
+
+
+def _check(op_fn, ref_fn, tensors, dtype, g, out_shapes, exact_fn=None):
+    """``exact_fn`` (the op's math in fp64, rounding nothing): the kernel path's first
+    gradients come from a fused backward kernel, held to :func:`_check_fused_backward`
+    against ``exact_fn``'s instead of the reference's bits."""
     weights = [torch.randn(s, generator=g, dtype=torch.float64) for s in out_shapes]
     want = _grads(ref_fn, [_leaf(t) for t in tensors], weights)
+    exact = _grads(ref_fn, [_leaf(t, torch.float64) for t in tensors], weights)
     for path in ("reference", "kernel"):
         with cpu_path(path):
             got = _grads(op_fn, [_leaf(t) for t in tensors], weights)
+        if exact_fn is not None and path == "kernel":
+            _check_fused_backward(got, want, _grads(
+                exact_fn, [_leaf(t, torch.float64) for t in tensors], weights), dtype)
+            continue
         for a, b in zip(got, want):
             assert (a is None) == (b is None)
             if a is not None:
@@ -81,7 +111,6 @@ def _check(op_fn, ref_fn, tensors, dtype, g, out_shapes):
             if a is not None:
                 assert torch.equal(a, b), (path, "second order", (a - b).abs().max())
     if dtype == torch.float32:  # against the exact gradients
-        exact = _grads(ref_fn, [_leaf(t, torch.float64) for t in tensors], weights)
         for a, b in zip(want, exact):
             if a is not None and b.numel():
                 assert float((a.double() - b).abs().max()) <= 2**-17 * (float(b.abs().max()) + 1)
@@ -149,8 +178,13 @@ def test_attn_res_gradients(tokens, width, nb_max, data, dtype, with_delta, out_
         p, b, nw, pw, d, ow = unpack(ts)
         return _attn_res_reference(p, b, num_blocks, nw, pw, d, ow)
 
+    def exact_fn(*ts):
+        p, b, nw, pw, d, ow = unpack(ts)
+        out, new_prefix = attn_res_fp64(p, b, num_blocks, nw, pw, d, ow)
+        return [out] if d is None else [out, new_prefix]
+
     _check(op_fn, ref_fn, tensors, dtype, g,
-           [(tokens, width)] * (2 if with_delta else 1))
+           [(tokens, width)] * (2 if with_delta else 1), exact_fn=exact_fn)
 
 
 @given(tokens=st.sampled_from([0, 1, 6]), dtype=st.sampled_from([torch.float32,

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: has one), a value no rule allows.
 BAD = {
     "qkv_rmsnorm": ["maybe", "2"], "attn_res": ["maybe"], "debug": ["maybe", ""],
+    "fused_backward": ["sometimes"],
     "moe_tail": ["maybe"], "disable_shared_experts_stream": ["maybe"],
     "dual_norm_rows_per_program": ["lots", "-4", "3", str(2 * TRITON_MAX_TENSOR_NUMEL)],
     "fused_tail_max_tokens": ["-5", "1e3", "many"],

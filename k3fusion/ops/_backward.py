@@ -1,5 +1,6 @@
 """Autograd for the functional custom ops: the backward of their plain-torch formulas
-(``k3fusion.reference``), recomputed from the inputs saved at the call.
+(``k3fusion.reference``), recomputed from the inputs saved at the call, or a fused
+backward op where one exists (AttnRes).
 
 Recomputing rather than saving intermediates keeps the forward kernels unchanged and the
 saved state to the inputs; the gradient is the reference's, whatever kernel ran forward
@@ -23,9 +24,14 @@ def _flat(values) -> list:
     return out
 
 
-def differentiate_by_reference(op, formula: Callable) -> None:
+def differentiate_by_reference(op, formula: Callable, fused: Callable | None = None) -> None:
     """Register autograd for custom op ``op``: ``formula`` takes the op's arguments (in
-    schema order) and computes what the op returns with differentiable torch ops."""
+    schema order) and computes what the op returns with differentiable torch ops.
+
+    ``fused(args, grads)`` (optional) computes the gradients of every argument directly
+    (a list in schema order, None where there is none), or returns None where it does not
+    apply; it is not used under ``create_graph`` (its result would not be differentiable).
+    """
 
     def setup_context(ctx, inputs, output) -> None:
         ctx.positions = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
@@ -51,6 +57,12 @@ def differentiate_by_reference(op, formula: Callable) -> None:
         result = [None] * passed
         if not wanted:
             return tuple(result)
+        if fused is not None and not create_graph:
+            found = fused(args, _flat(grads))
+            if found is not None:
+                for i in wanted:
+                    result[i] = found[i]
+                return tuple(result)
         with torch.enable_grad():
             outs = _flat([formula(*args)])
         pairs = [(o, g) for o, g in zip(outs, _flat(grads))

@@ -397,7 +397,155 @@ def _attn_res_formula(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=Non
     return [out] if delta is None else [out, rows.view(prefix.shape)]
 
 
-differentiate_by_reference(attn_res_op, _attn_res_formula)
+# ---------------------------------------------------------------- backward
+
+
+@torch.library.custom_op("k3fusion::attn_res_backward", mutates_args=())
+def attn_res_backward_op(
+    grad_out: torch.Tensor,
+    grad_new_prefix: Optional[torch.Tensor],
+    prefix: torch.Tensor,
+    blocks: torch.Tensor,
+    num_blocks: int,
+    norm_w: torch.Tensor,
+    proj_w: torch.Tensor,
+    eps: float,
+    delta: Optional[torch.Tensor] = None,
+    out_norm_w: Optional[torch.Tensor] = None,
+    out_eps: float = 1e-6,
+    out_weight_in_fp32: bool = False,
+) -> list[torch.Tensor]:
+    """The gradients of ``k3fusion::attn_res`` (the reference's, in fp32): ``[d_prefix,
+    d_blocks, d_norm_w, d_proj_w]`` and ``d_out_norm_w`` with ``out_norm_w``. With
+    ``delta``, ``d_prefix`` is ``delta``'s too and includes ``grad_new_prefix``;
+    ``d_blocks`` is 0 past ``num_blocks``."""
+    raise NotImplementedError(f"k3fusion::attn_res_backward has no kernel for "
+                              f"{prefix.device.type}")
+
+
+def _check_backward(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w, proj_w, eps,
+                    delta, out_norm_w, out_eps) -> None:
+    check_attn_res_args(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, -1,
+                        out_norm_w, out_eps)
+    for name, g in (("grad_out", grad_out), ("grad_new_prefix", grad_new_prefix)):
+        if g is None:
+            continue
+        if tuple(g.shape) != tuple(prefix.shape):
+            raise ValueError(f"{name} has shape {tuple(g.shape)} but prefix has "
+                             f"{tuple(prefix.shape)}")
+        if g.device != prefix.device:
+            raise ValueError(f"{name} is on {g.device} but prefix is on {prefix.device}")
+    if grad_new_prefix is not None and delta is None:
+        raise ValueError("grad_new_prefix needs delta (without it the op has no new prefix)")
+
+
+def _backward_outputs(prefix, blocks, norm_w, proj_w, out_norm_w) -> list[torch.Tensor]:
+    outs = [torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t in (prefix, blocks, norm_w, proj_w)]
+    if out_norm_w is not None:
+        outs.append(torch.empty_like(out_norm_w))
+    return outs
+
+
+@attn_res_backward_op.register_fake
+def _(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None,
+      out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
+    _check_backward(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w, proj_w, eps,
+                    delta, out_norm_w, out_eps)
+    return _backward_outputs(prefix, blocks, norm_w, proj_w, out_norm_w)
+
+
+def _rows_for_kernel(t: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` rows with a unit last stride (an incoming gradient may be an expanded one)."""
+    rows = as_rows(t)
+    return rows if rows.shape[-1] <= 1 or rows.stride(-1) == 1 else rows.contiguous()
+
+
+@attn_res_backward_op.register_kernel(("cpu", "cuda"))
+def _(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None,
+      out_norm_w=None, out_eps=1e-6, out_weight_in_fp32=False):
+    _check_backward(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w, proj_w, eps,
+                    delta, out_norm_w, out_eps)
+    if runs_kernel(prefix):
+        prefix2 = as_rows(prefix)
+        d_last, d_blocks, d_nw, d_pw, d_onw = kernels.attn_res_backward.attn_res_backward(
+            _rows_for_kernel(grad_out),
+            None if grad_new_prefix is None else _rows_for_kernel(grad_new_prefix),
+            prefix2, _block_rows(blocks, prefix2.shape[0], written=False), num_blocks,
+            norm_w, proj_w, eps, delta=None if delta is None else as_rows(delta),
+            out_norm_w=out_norm_w, out_eps=out_eps, out_weight_in_fp32=out_weight_in_fp32)
+        outs = [d_last.view(prefix.shape), d_blocks.view(blocks.shape), d_nw, d_pw]
+        return outs + ([] if d_onw is None else [d_onw])
+    return _attn_res_backward_formula(grad_out, grad_new_prefix, prefix, blocks, num_blocks,
+                                      norm_w, proj_w, eps, delta, out_norm_w, out_eps,
+                                      out_weight_in_fp32)
+
+
+def _attn_res_backward_formula(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w,
+                               proj_w, eps, delta, out_norm_w, out_eps, out_weight_in_fp32):
+    """The kernel's gradient formulas (``kernels/attn_res_backward.py``) in plain torch, fp32."""
+    p = prefix if delta is None else (prefix.float() + delta.float()).to(prefix.dtype)
+    shape = (_num_rows(prefix), prefix.shape[-1])
+    H = shape[1]
+    v = torch.cat([_block_rows(blocks, shape[0], written=False)[:, :num_blocks],
+                   p.reshape(shape).unsqueeze(1)], 1).float()
+    g = norm_w.float() * proj_w.float()
+    r = torch.rsqrt(v.pow(2).mean(-1) + eps)
+    c = (v * g).sum(-1)
+    w = torch.softmax(r * c, -1)
+    dm = grad_out.reshape(shape).float()
+    if out_norm_w is not None:
+        x = (w.unsqueeze(-1) * v).sum(1).to(prefix.dtype).float()
+        rho = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + out_eps)
+        xn = x * rho if out_weight_in_fp32 else (x * rho).to(prefix.dtype).float()
+        d_out_norm_w = (dm * xn).sum(0).to(out_norm_w.dtype)
+        dxh = dm * out_norm_w.float()
+        dm = rho * dxh - rho.pow(3) * (dxh * x).sum(-1, keepdim=True) / H * x
+    dw = (dm.unsqueeze(1) * v).sum(-1)
+    dlogit = w * (dw - (w * dw).sum(-1, keepdim=True))
+    a, b = dlogit * r, dlogit * c * r.pow(3) / H
+    dv = w.unsqueeze(-1) * dm.unsqueeze(1) + a.unsqueeze(-1) * g - b.unsqueeze(-1) * v
+    u = (a.unsqueeze(-1) * v).sum((0, 1))
+    d_last = dv[:, num_blocks]
+    if grad_new_prefix is not None:
+        d_last = d_last + grad_new_prefix.reshape(shape).float()
+    d_blocks = torch.zeros(shape[0], blocks.shape[-2], H, dtype=blocks.dtype,
+                           device=blocks.device)
+    d_blocks[:, :num_blocks] = dv[:, :num_blocks].to(blocks.dtype)
+    outs = [d_last.to(prefix.dtype).view(prefix.shape), d_blocks.view(blocks.shape),
+            (u * proj_w.float()).to(norm_w.dtype), (u * norm_w.float()).to(proj_w.dtype)]
+    return outs + ([] if out_norm_w is None else [d_out_norm_w])
+
+
+def _attn_res_fused_backward(args, grads):
+    """Gradients of ``k3fusion::attn_res`` in schema order, from the fused backward op;
+    None (the reference's backward instead) on the plain-torch path and for the
+    dynamic-shape eps tensors."""
+    defaults = [None, None, 0, None, None, 0.0, None, None, 1e-6, False, None, None]
+    (prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w, out_eps,
+     out_weight_in_fp32, eps_tensor, out_eps_tensor) = list(args) + defaults[len(args):]
+    if eps_tensor is not None or out_eps_tensor is not None or not runs_kernel(prefix):
+        return None
+    grad_out = grads[0]
+    grad_new_prefix = grads[1] if delta is not None and len(grads) > 1 else None
+    if grad_out is None:
+        dtype = (prefix.dtype if out_norm_w is None else
+                 reference.rms_norm_out_dtype(prefix.dtype, out_norm_w.dtype,
+                                              out_weight_in_fp32))
+        grad_out = prefix.new_zeros(prefix.shape, dtype=dtype)
+    found = torch.ops.k3fusion.attn_res_backward(
+        grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w, proj_w, eps, delta,
+        out_norm_w, out_eps, out_weight_in_fp32)
+    result = [None] * len(args)
+    result[0], result[1], result[3], result[4] = found[:4]
+    if delta is not None:
+        result[6] = found[0]
+    if out_norm_w is not None:
+        result[7] = found[4]
+    return result
+
+
+differentiate_by_reference(attn_res_op, _attn_res_formula, _attn_res_fused_backward)
 
 
 def attn_res_(prefix, blocks, num_blocks, norm_w, proj_w, eps, delta=None, block_write_idx=-1,

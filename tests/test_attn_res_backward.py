@@ -1,0 +1,206 @@
+"""The fused AttnRes backward (issue 28): ``k3fusion::attn_res_backward`` -- its Triton
+kernels (``kernels/attn_res_backward.py``, in the interpreter here) and its plain-torch
+form -- against autograd of ``k3fusion.reference.attn_res``, and a training compile that
+runs it: the joint graph's backward re-derived from the fused forward
+(``k3fusion/joint_retrace.py``).
+
+Bounds: against the exact gradients (the reference's math in fp64, without its roundings),
+at most twice the error of the reference's own autograd in the same dtype (fp32 sums, and
+in 16-bit dtypes its roundings of the new prefix, the mix and the intermediate gradients)
+plus 4 units in the last place of the largest.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import k3fusion
+from k3fusion import reference
+from k3fusion.config import overridden
+from k3fusion.joint_retrace import retrace_joint
+
+from _exact import attn_res_fp64
+from _kernel_paths import cpu_path, spy_on_launcher
+from graph_utils import fresh_state  # noqa: F401
+from public_catalogue import NanogptRoundedScale
+
+ops = torch.ops.k3fusion
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _reference_grads(inputs, num_blocks, grad_out, grad_new_prefix, out_weight_in_fp32,
+                     exact=False):
+    """Autograd of the reference in the inputs' dtype, or of the exact function."""
+    prefix, blocks, norm_w, proj_w, delta, out_w = (
+        None if t is None else t.detach().to(torch.float64 if exact else t.dtype)
+        .requires_grad_() for t in inputs)
+    if exact:
+        out, rows = attn_res_fp64(prefix, blocks, num_blocks, norm_w, proj_w, delta, out_w)
+    else:
+        rows = prefix.clone()
+        out = reference.attn_res(rows, blocks, num_blocks, norm_w, proj_w, 1e-6, delta, -1,
+                                 out_w, 1e-5, out_weight_in_fp32)
+    loss = (out.double() * grad_out.double()).sum()
+    if grad_new_prefix is not None:
+        loss = loss + (rows.double() * grad_new_prefix.double()).sum()
+    leaves = [t for t in (prefix, blocks, norm_w, proj_w, delta, out_w) if t is not None]
+    return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+def _op_grads(inputs, num_blocks, grad_out, grad_new_prefix, out_weight_in_fp32):
+    prefix, blocks, norm_w, proj_w, delta, out_w = inputs
+    d = ops.attn_res_backward(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w,
+                              proj_w, 1e-6, delta, out_w, 1e-5, out_weight_in_fp32)
+    got = list(d[:4])
+    if delta is not None:
+        got.append(d[0])
+    if out_w is not None:
+        got.append(d[4])
+    return got
+
+
+def _max_error(a, b) -> float:
+    return float((a.double() - b.double()).abs().max()) if b.numel() else 0.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.sampled_from([0, 1, 3, 33]), width=st.sampled_from([24, 40, 300]),
+       nb_max=st.integers(1, 5), data=st.data(), dtype=st.sampled_from(DTYPES),
+       with_delta=st.booleans(), out_norm=st.booleans(), out_weight_in_fp32=st.booleans(),
+       strided=st.booleans(), expanded_grad=st.booleans(), seed=st.integers(0, 2**16))
+def test_backward_op_matches_reference_autograd(tokens, width, nb_max, data, dtype,
+                                                with_delta, out_norm, out_weight_in_fp32,
+                                                strided, expanded_grad, seed):
+    """Both paths of the op (the kernels; the plain-torch formulas) within the bound, on
+    random token counts (0, 1, and more than one program's group of 32), widths that are
+    not powers of two, a bank with slots past the block count (their gradient is 0),
+    strided rows and an expanded incoming gradient (``out.sum()``'s)."""
+    num_blocks = data.draw(st.integers(0, nb_max))
+    g = torch.Generator().manual_seed(seed)
+    pad = 7 * strided
+
+    def rows(*shape):
+        return torch.randn(*shape[:-1], shape[-1] + pad, generator=g).to(dtype)[..., :shape[-1]]
+
+    prefix, blocks = rows(tokens, width), rows(tokens, nb_max, width)
+    norm_w = (1 + 0.3 * torch.randn(width, generator=g)).to(dtype)
+    proj_w = (torch.randn(width, generator=g) / width**0.5).to(dtype)
+    delta = rows(tokens, width) if with_delta else None
+    out_w = (1 + 0.3 * torch.randn(width, generator=g)).to(dtype) if out_norm else None
+    inputs = (prefix, blocks, norm_w, proj_w, delta, out_w)
+    out_dtype = (dtype if out_w is None else
+                 reference.rms_norm_out_dtype(dtype, dtype, out_weight_in_fp32))
+    grad_out = (torch.full((1, 1), 0.5, dtype=out_dtype).expand(tokens, width) if expanded_grad
+                else torch.randn(tokens, width, generator=g).to(out_dtype))
+    grad_new_prefix = torch.randn(tokens, width, generator=g).to(dtype) if with_delta else None
+
+    want = _reference_grads(inputs, num_blocks, grad_out, grad_new_prefix, out_weight_in_fp32)
+    exact = _reference_grads(inputs, num_blocks, grad_out, grad_new_prefix, out_weight_in_fp32,
+                             exact=True)
+    for path in ("kernel", "reference"):
+        with cpu_path(path):
+            got = _op_grads(inputs, num_blocks, grad_out, grad_new_prefix, out_weight_in_fp32)
+        for i, (a, b, e) in enumerate(zip(got, want, exact, strict=True)):
+            assert a.shape == b.shape and a.dtype == b.dtype, (path, i)
+            if not e.numel():
+                continue
+            bound = 2 * _max_error(b, e) + 4 * float(torch.finfo(dtype).eps) * (
+                float(e.abs().max()) + 1)
+            assert _max_error(a, e) <= bound, (path, i, _max_error(a, e), bound)
+        assert not got[1][:, num_blocks:].any()  # slots the op never read
+
+
+def test_backward_op_refuses_bad_gradients_before_any_launch():
+    p, b, w = torch.randn(3, 8), torch.randn(3, 2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="grad_out has shape"):
+        ops.attn_res_backward(torch.randn(3, 9), None, p, b, 2, w, w, 1e-6)
+    with pytest.raises(ValueError, match="grad_new_prefix needs delta"):
+        ops.attn_res_backward(torch.randn(3, 8), torch.randn(3, 8), p, b, 2, w, w, 1e-6)
+    with pytest.raises(ValueError, match="num_blocks"):
+        ops.attn_res_backward(torch.randn(3, 8), None, p, b, 3, w, w, 1e-6)
+
+
+# ------------------------------------------------------------------ training compiles
+
+
+def _train_step(model, x, compiled: bool, **config):
+    """Output and parameter gradients of ``mean(model(x)**2)``; the compiled form's
+    Inductor code too."""
+    from torch._inductor.utils import run_and_get_code
+
+    fn = torch.compile(model, backend="k3fusion") if compiled else model
+
+    def step():
+        out = fn(x)
+        out.float().square().mean().backward()
+        return out
+
+    if not compiled:
+        return step(), None
+    with overridden(**config):
+        out, code = run_and_get_code(step)
+    return out, "\n".join(code)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_state")
+def test_a_training_compile_runs_the_fused_backward_at_every_site():
+    """The nanoGPT port (six AttnRes sites) compiled for training, its kernels in the
+    interpreter: the backward calls the fused backward op once per site and the kernels
+    run once per site; fp32 gradients within 2**-16 of the largest of eager's."""
+    torch.manual_seed(0)
+    model = NanogptRoundedScale()
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1))
+    with cpu_path("kernel"), spy_on_launcher("attn_res", "shape") as forward_launches:
+        out, code = _train_step(model, x, compiled=True)
+    want, _ = _train_step(twin, x, compiled=False)
+    assert k3fusion.match_counts()["attn_res"] == 6
+    assert code.count("torch.ops.k3fusion.attn_res_backward.default(") == 6
+    assert len(forward_launches) == 6
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        scale = float(q.grad.abs().max()) + 1e-12
+        assert float((p.grad - q.grad).abs().max()) <= 2**-16 * scale, name
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_state")
+def test_fused_backward_off_keeps_default_inductors_backward():
+    """``fused_backward=False``: the forward still fused, no backward op in the code."""
+    model = NanogptRoundedScale()
+    x = torch.randn(2, 8, 64)
+    with cpu_path("kernel"):
+        _, code = _train_step(model, x, compiled=True, fused_backward=False)
+    assert k3fusion.match_counts()["attn_res"] == 6
+    assert "attn_res_backward" not in code
+
+
+def _joint_graph_of(fn, *args):
+    """The joint graph AOTAutograd hands ``joint_custom_pre_pass`` for ``fn(*args)``."""
+    graphs = []
+
+    def keep(graph):
+        graphs.append(copy.deepcopy(graph))
+
+    with torch._inductor.config.patch(joint_custom_pre_pass=keep):
+        torch.compile(fn, backend="inductor")(*args)
+    torch._dynamo.reset()
+    return graphs[0]
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_retrace_keeps_a_joint_whose_outputs_do_not_all_have_tangents():
+    """An output that does not require grad gets no tangent: the pairing of tangents with
+    outputs is then not certain, and the joint graph is left as it was."""
+    def f(x, w):
+        return (x * w).sin(), (x > 0).sum()
+
+    graph = _joint_graph_of(f, torch.randn(4, 8, requires_grad=True), torch.randn(8))
+    before = [n.format_node() for n in graph.nodes]
+    assert retrace_joint(graph) == "not every forward output has a tangent"
+    assert [n.format_node() for n in graph.nodes] == before
