@@ -204,3 +204,27 @@ def test_retrace_keeps_a_joint_whose_outputs_do_not_all_have_tangents():
     before = [n.format_node() for n in graph.nodes]
     assert retrace_joint(graph) == "not every forward output has a tangent"
     assert [n.format_node() for n in graph.nodes] == before
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens, num_blocks", [(1, 0), (7, 3), (512, 8), (1000, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_kernels_at_k3_sizes(tokens, num_blocks, dtype):
+    """H 7168, up to 9 sources, the output norm and the delta: the kernels on the GPU within
+    the bound (more than one token group and column chunk, int64 offsets)."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    H = 7168
+
+    def rand(*shape, scale=1.0, offset=0.0):
+        return (offset + scale * torch.randn(*shape, generator=g, device="cuda")).to(dtype)
+
+    inputs = (rand(tokens, H), rand(tokens, num_blocks + 1, H), rand(H, scale=0.1, offset=1),
+              rand(H, scale=H**-0.5), rand(tokens, H), rand(H, scale=0.1, offset=1))
+    grad_out, grad_new_prefix = rand(tokens, H), rand(tokens, H)
+    want = _reference_grads(inputs, num_blocks, grad_out, grad_new_prefix, False)
+    exact = _reference_grads(inputs, num_blocks, grad_out, grad_new_prefix, False, exact=True)
+    got = _op_grads(inputs, num_blocks, grad_out, grad_new_prefix, False)
+    for i, (a, b, e) in enumerate(zip(got, want, exact, strict=True)):
+        bound = 2 * _max_error(b, e) + 4 * float(torch.finfo(dtype).eps) * (
+            float(e.abs().max()) + 1)
+        assert _max_error(a, e) <= bound, (i, _max_error(a, e), bound)
