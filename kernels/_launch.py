@@ -11,7 +11,8 @@ import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "kernels_are_interpreted", "check_launchable",
            "launch_scratch", "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait",
-           "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start"]
+           "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start",
+           "DEFAULT_SMS", "num_sms"]
 
 try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -80,6 +81,17 @@ def cuda_properties(index: int):
 
 def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+#: SMs assumed where there is no GPU to ask (the interpreter): a full Hopper's.
+DEFAULT_SMS = 132
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a fixed guess off CUDA)."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return cuda_properties(cuda_index(device)).multi_processor_count
 
 
 def pdl_available(device: torch.device) -> bool:

@@ -27,8 +27,8 @@ import triton.language as tl
 from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
-from ._launch import (TL_DTYPES, kernels_are_interpreted, cdiv, cuda_index, cuda_properties,
-                      launch_scratch, gdc_launch_dependents, gdc_wait, interpreter_enabled,
+from ._launch import (TL_DTYPES, DEFAULT_SMS, kernels_are_interpreted, cdiv, launch_scratch,
+                      gdc_launch_dependents, gdc_wait, interpreter_enabled, num_sms,
                       on_tensor_device, pdl_available)
 from .rms_norm import rms_norm
 
@@ -279,17 +279,6 @@ class LaunchConfig:
     normed_rows: bool = False
 
 
-#: SMs assumed where there is no GPU to ask (the interpreter): a full Hopper's.
-_DEFAULT_SMS = 132
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a fixed guess off CUDA)."""
-    if device.type != "cuda":
-        return _DEFAULT_SMS
-    return cuda_properties(cuda_index(device)).multi_processor_count
-
-
 def block_m_for(tokens: int, gemv: bool = False) -> int:
     """Rows of a program's tiles: T padded to a power of two, >= 16 (``tl.dot``'s minimum)
     unless the GEMV form runs (no dot)."""
@@ -311,7 +300,7 @@ def gemv_block_k(block_n: int, block_m: int, latent: int) -> int:
 
 
 def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype,
-                       num_sms: int = _DEFAULT_SMS, gemv: bool | None = None) -> LaunchConfig:
+                       num_sms: int = DEFAULT_SMS, gemv: bool | None = None) -> LaunchConfig:
     """The default launch shape for a ``[tokens, latent] -> [tokens, hidden]`` tail
     (``gemv``: None for the measured choice of form, True/False for that form's shape).
 
