@@ -95,9 +95,10 @@ def attn_res_spec(res: nn.Module) -> AttnResSpec | None:
 class _FusedAttnResStep:
     """Replaces a module's ``apply_attn_res(prefix, bank, res, num_blocks, *, delta,
     output_norm, block_write_idx) -> (out, prefix, bank)`` (the K3 contract) with the
-    fused kernel. The original step runs under torch.compile, while autograd records,
-    for modules that are not standard, and for calls the op cannot express (counted in
-    :attr:`fallbacks`): results never depend on what could be fused.
+    fused kernel. The original step runs under torch.compile, for modules that are not
+    standard, and for calls the op cannot express (counted in :attr:`fallbacks`): results
+    never depend on what could be fused. While autograd records, the functional op runs
+    (its backward the fused one where the kernels run).
     """
 
     def __init__(self, original) -> None:
@@ -135,19 +136,46 @@ class _FusedAttnResStep:
         return stacked
 
     @staticmethod
-    def _run_original(prefix, bank, res, delta, output_norm) -> bool:
+    def _run_original(prefix) -> bool:
         """Compiling (the graph pass owns this case; probe nothing), a ``torch.func``
-        transform, autocasting (the module's Linear would run in another dtype), or
-        autograd recording."""
+        transform, or autocasting (the module's Linear would run in another dtype)."""
         if (not isinstance(prefix, torch.Tensor) or torch.compiler.is_compiling()
                 or transforms_active()):
             return True
-        if torch.is_autocast_enabled(prefix.device.type):
-            return True
-        if not torch.is_grad_enabled():
-            return False
+        return torch.is_autocast_enabled(prefix.device.type)
+
+    @staticmethod
+    def _records_grad(prefix, bank, res, delta, output_norm) -> bool:
         tensors = [prefix, delta, *(bank if isinstance(bank, list) else [bank])]
         return records_grad(tensors, [m for m in (res, output_norm) if isinstance(m, nn.Module)])
+
+    @staticmethod
+    def _weights_are_parameters(res, output_norm, res_spec, out_spec) -> bool:
+        """The spec's weights are the modules' own tensors, so gradients reach them."""
+        return (res_spec.norm_w is res.norm.weight and res_spec.proj_w is res.proj.weight
+                and (output_norm is None or out_spec.weight is output_norm.weight))
+
+    def _step_with_grad(self, prefix, bank, num_blocks, block_write_idx, delta, args):
+        """The functional op, whose backward is the fused one where its kernels run, in the
+        original step's order of effects (its block write before the mix, so autograd
+        saves what the mix read). Nothing is cached: a stack kept from an earlier call
+        would carry that call's graph."""
+        if delta is not None:
+            prefix = prefix + delta
+        if block_write_idx >= 0:
+            if isinstance(bank, list):
+                bank = bank + [prefix]
+            else:
+                bank[..., block_write_idx, :] = prefix
+        if isinstance(bank, list):
+            blocks = (torch.stack(bank[:num_blocks], dim=-2) if num_blocks
+                      else prefix.unsqueeze(-2))
+        else:
+            # A copy of the live slots, as the original's cat makes: a later write into
+            # the bank must not change what this step's backward reads.
+            blocks = bank[..., :num_blocks, :].clone()
+        out = torch.ops.k3fusion.attn_res(prefix, blocks, num_blocks, *args)[0]
+        return out, prefix, bank
 
     @staticmethod
     def _inexpressible(bank, num_blocks, block_write_idx) -> str | None:
@@ -166,7 +194,7 @@ class _FusedAttnResStep:
     def __call__(self, prefix, bank, res, num_blocks, *, delta=None, output_norm=None,
                  block_write_idx=-1):
         call = dict(delta=delta, output_norm=output_norm, block_write_idx=block_write_idx)
-        if self._run_original(prefix, bank, res, delta, output_norm):
+        if self._run_original(prefix):
             return self.original(prefix, bank, res, num_blocks, **call)
         res_spec = self._spec(res, attn_res_spec)
         out_spec = self._spec(output_norm, rms_norm_spec)
@@ -178,6 +206,15 @@ class _FusedAttnResStep:
         out_w, out_eps, out_fp32 = ((out_spec.weight, out_spec.eps, out_spec.weight_in_fp32)
                                     if out_spec else (None, 1e-6, False))
         norm_w, eps, proj_w = res_spec.norm_w, res_spec.eps, res_spec.proj_w.view(-1)
+        if self._records_grad(prefix, bank, res, delta, output_norm):
+            if not self._weights_are_parameters(res, output_norm, res_spec, out_spec):
+                return self._fall_back("weights derived from the parameters under autograd",
+                                       prefix, bank, res, num_blocks, **call)
+            if delta is not None and delta.dtype != prefix.dtype:
+                return self._fall_back("delta of another dtype under autograd",
+                                       prefix, bank, res, num_blocks, **call)
+            return self._step_with_grad(prefix, bank, num_blocks, block_write_idx, delta,
+                                        (norm_w, proj_w, eps, None, out_w, out_eps, out_fp32))
         if isinstance(bank, torch.Tensor) and delta is None:
             # The kernel writes the block in place; the prefix is not modified.
             out = torch.ops.k3fusion.attn_res_(prefix, bank, num_blocks, norm_w, proj_w, eps,

@@ -20,9 +20,10 @@ from .patcher import Patcher
 #: When a patched module runs its fused kernels, in :attr:`PatchReport.notes`.
 FUSED_WHEN = ("patched modules run their fused kernels outside autocast, torch.compile and "
               "torch.func transforms; "
-              "AttnRes and the MoE tail only where autograd records nothing "
+              "the MoE tail only where autograd records nothing "
               "(torch.no_grad(), or no input or parameter requires grad), the q/kv norms "
-              "also while it records (their op has a backward) but not in "
+              "and AttnRes also while it records (their functional ops have a backward; "
+              "AttnRes's is the fused backward kernel), the q/kv norms not in "
               "torch.inference_mode() (no version counters). Otherwise the original "
               "modules run (docs/eager.md).")
 
@@ -95,9 +96,10 @@ def patch_model(model: nn.Module) -> PatchReport:
       is skipped with the reason.
 
     Training: while autograd records (grad mode on and an input or parameter requires
-    grad) the q/kv pair runs its fused op, whose backward is the reference formula's, and
-    AttnRes and the tail run the original modules (their in-place and tier paths have no
-    backward); see ``PatchReport.notes`` and ``docs/eager.md``.
+    grad) the q/kv pair runs its fused op, whose backward is the reference formula's,
+    AttnRes its functional op (the fused backward kernel where the kernels run), and the
+    tail the original modules (its tier paths have no backward); see
+    ``PatchReport.notes`` and ``docs/eager.md``.
 
     Idempotent. Returns a :class:`PatchReport` naming what was patched and what was
     skipped and why.
