@@ -19,11 +19,9 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from .patterns._fx import is_tangent, joint_backward_values
+
 __all__ = ["retrace_joint"]
-
-
-def _is_tangent(node: Node) -> bool:
-    return node.op == "placeholder" and str(node.target).startswith("tangents")
 
 
 def _forward_module(graph: Graph, primals: list[Node], fw_outs: list) -> GraphModule:
@@ -35,7 +33,7 @@ def _forward_module(graph: Graph, primals: list[Node], fw_outs: list) -> GraphMo
         if n not in needed:
             needed.add(n)
             stack.extend(n.all_input_nodes)
-    if any(_is_tangent(n) for n in needed):
+    if any(is_tangent(n) for n in needed):
         raise _Skip("a forward output reads a tangent")
     fwd = Graph()
     env: dict[Node, Node] = {}
@@ -111,8 +109,8 @@ def retrace_joint(graph: Graph) -> str | None:
 
 def _retrace(graph: Graph) -> None:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    tangents = [n for n in placeholders if _is_tangent(n)]
-    primals = [n for n in placeholders if not _is_tangent(n)]
+    tangents = [n for n in placeholders if is_tangent(n)]
+    primals = [n for n in placeholders if not is_tangent(n)]
     if placeholders != primals + tangents:
         raise _Skip("the joint's inputs are not its primals followed by its tangents")
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -164,10 +162,7 @@ def _install(graph: Graph, placeholders: list[Node], new: GraphModule) -> None:
     result = graph.graph_copy(new_graph, dict(zip(new_placeholders, placeholders)))
     graph.output(result)
     # What the partitioner and Inductor's passes read: a backward node reads a tangent.
-    backward = set(n for n in placeholders if _is_tangent(n))
+    backward = joint_backward_values(graph).backward
     for n in graph.nodes:
-        if n.op == "placeholder":
-            continue
-        if any(i in backward for i in n.all_input_nodes):
-            backward.add(n)
-        n.meta["partitioner_tag"] = "is_backward" if n in backward else "is_forward"
+        if n.op != "placeholder":
+            n.meta["partitioner_tag"] = "is_backward" if n in backward else "is_forward"

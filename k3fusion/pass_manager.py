@@ -178,6 +178,11 @@ class K3FusionPass(CustomGraphPass):
 JOINT_COUNTS = "k3fusion_joint_counts"
 
 
+def _first_fused_op(graph: Graph) -> Node | None:
+    return next((n for n in graph.nodes if n.op == "call_function"
+                 and getattr(n.target, "namespace", None) == "k3fusion"), None)
+
+
 def _record_joint_counts(graph: Graph) -> None:
     for node in graph.nodes:
         counts = node.meta.pop(JOINT_COUNTS, None)
@@ -208,7 +213,8 @@ class K3JointPass(K3FusionPass):
                 n.op == "call_function" and n.target is torch.ops.k3fusion.attn_res.default
                 for n in graph.nodes):
             return False
-        counts = {n: n.meta[JOINT_COUNTS] for n in graph.nodes if JOINT_COUNTS in n.meta}
+        counts = next((n.meta[JOINT_COUNTS] for n in graph.nodes if JOINT_COUNTS in n.meta),
+                      None)
         try:
             why = retrace_joint(graph)
         except Exception:
@@ -222,9 +228,7 @@ class K3JointPass(K3FusionPass):
             log.info("k3fusion: fused AttnRes backward not used in this graph: %s", why)
             return False
         if counts:  # the counts ride on the new graph's first fused op
-            fused = next(n for n in graph.nodes if n.op == "call_function"
-                         and getattr(n.target, "namespace", None) == "k3fusion")
-            fused.meta[JOINT_COUNTS] = next(iter(counts.values()))
+            _first_fused_op(graph).meta[JOINT_COUNTS] = counts
         return True
 
     def _record(self, graph: Graph, counts: dict[str, int]) -> None:
@@ -234,8 +238,7 @@ class K3JointPass(K3FusionPass):
         # records them there, inside that compile.
         if not any(counts.values()):
             return
-        fused = next((n for n in graph.nodes if n.op == "call_function"
-                      and getattr(n.target, "namespace", None) == "k3fusion"), None)
+        fused = _first_fused_op(graph)
         if fused is None:  # nothing carries them: count now rather than never
             super()._record(graph, counts)
         else:

@@ -245,7 +245,7 @@ def attn_res_backward(
         d_blocks[:, num_blocks:].zero_()  # slots the op never read
     has_norm = out_norm_w is not None
     groups = token_groups if token_groups is not None else _groups(T, device)
-    if not 1 <= groups:
+    if groups < 1:
         raise ValueError(f"token_groups must be >= 1, got {groups}")
     u_part = torch.zeros((groups, H), dtype=torch.float32, device=device)
     w_out_part = torch.zeros((groups, H) if has_norm else (1,), dtype=torch.float32,

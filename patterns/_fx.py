@@ -194,9 +194,13 @@ def saved_for_backward(graph: Graph) -> SavedValues:
     return SavedValues(saved, frozenset(only))
 
 
+def is_tangent(node: Node) -> bool:
+    """An incoming gradient of AOTAutograd's joint or backward graph (``tangents_*``)."""
+    return node.op == "placeholder" and str(node.target).startswith("tangents")
+
+
 def _tangents(graph: Graph) -> list[Node]:
-    return [n for n in graph.nodes
-            if n.op == "placeholder" and str(n.target).startswith("tangents")]
+    return [n for n in graph.nodes if is_tangent(n)]
 
 
 def is_backward_graph(graph: Graph) -> bool:

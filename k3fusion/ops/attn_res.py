@@ -458,7 +458,7 @@ def _(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w, proj_w, eps
 def _rows_for_kernel(t: torch.Tensor) -> torch.Tensor:
     """``[T, H]`` rows with a unit last stride (an incoming gradient may be an expanded one)."""
     rows = as_rows(t)
-    return rows if rows.shape[-1] <= 1 or rows.stride(-1) == 1 else rows.contiguous()
+    return rows if reference.last_dim_contiguous(rows) else rows.contiguous()
 
 
 @attn_res_backward_op.register_kernel(("cpu", "cuda"))
@@ -521,9 +521,11 @@ def _attn_res_fused_backward(args, grads):
     """Gradients of ``k3fusion::attn_res`` in schema order, from the fused backward op;
     None (the reference's backward instead) on the plain-torch path and for the
     dynamic-shape eps tensors."""
-    defaults = [None, None, 0, None, None, 0.0, None, None, 1e-6, False, None, None]
+    # The dispatcher drops trailing arguments equal to their defaults: the schema's.
+    schema = torch.ops.k3fusion.attn_res.default._schema.arguments
     (prefix, blocks, num_blocks, norm_w, proj_w, eps, delta, out_norm_w, out_eps,
-     out_weight_in_fp32, eps_tensor, out_eps_tensor) = list(args) + defaults[len(args):]
+     out_weight_in_fp32, eps_tensor, out_eps_tensor) = list(args) + [
+        a.default_value for a in schema[len(args):]]
     if eps_tensor is not None or out_eps_tensor is not None or not runs_kernel(prefix):
         return None
     grad_out = grads[0]
