@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, check_launchable, num_sms
+from .attn_res import _sum_pair
 
 __all__ = ["attn_res_backward", "LOOP_STAGES", "GROUPS_PER_SM"]
 
@@ -27,7 +28,13 @@ __all__ = ["attn_res_backward", "LOOP_STAGES", "GROUPS_PER_SM"]
 LOOP_STAGES = 3
 #: Token groups of the rows kernel per SM (fewer programs, each summing its weight
 #: gradients over more tokens); not swept: docs/experiments.md, "2026-12-03: the fused backward".
-GROUPS_PER_SM = 2
+GROUPS_PER_SM = 1
+#: Warps of a program at rows of 4096 columns or more (4 below).
+NUM_WARPS = 8
+#: Columns per program of the kernel that sums the groups' weight-gradient rows; each
+#: program reads its columns of every group's row in one tile, up to FINISH_ROWS.
+FINISH_COLUMNS = 32
+FINISH_ROWS = 256
 
 
 @triton.jit
@@ -54,105 +61,23 @@ def _pick(vec, srcs, s):
 
 
 @triton.jit
-def _attn_res_bwd_scalars_kernel(
+def _attn_res_bwd_kernel(
     prefix_ptr, prefix_stride, delta_ptr, delta_stride,
     blocks_ptr, blocks_token_stride, blocks_block_stride,
     norm_w_ptr, proj_w_ptr, out_norm_w_ptr,
-    grad_ptr, grad_stride,
-    coef_ptr, norm_ptr, dm_ptr, x_ptr,
-    H, eps, out_eps,
-    BLOCK_H: tl.constexpr, S: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_OUT_NORM: tl.constexpr, LOOP_STAGES: tl.constexpr,
-):
-    """One program per token: softmax weights, the gradient reaching the mix (stored with
-    the output norm, with the rounded mix), and each source's ``w``, ``a``, ``b``."""
-    tok = tl.program_id(0).to(tl.int64)  # int64: token * stride overflows int32
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    srcs = tl.arange(0, S)
-    blocks_row = blocks_ptr + tok * blocks_token_stride
-    prefix_row = prefix_ptr + tok * prefix_stride
-    delta_row = delta_ptr + tok * delta_stride
-    dtype = prefix_ptr.dtype.element_ty
-    g = (tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-         * tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
-    # The gradient reaching the normalized mix (the mix itself without the output norm).
-    dxh = tl.load(grad_ptr + tok * grad_stride + cols, mask=cmask, other=0.0).to(tl.float32)
-    if HAS_OUT_NORM:
-        dxh = dxh * tl.load(out_norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-
-    # Pass 1, an online softmax as the forward's: per source its 1/rms, its dot with g
-    # and with dxh, and the running mix. The last source (in registers) seeds it.
-    v = _last_source(prefix_row, delta_row, cols, cmask, HAS_DELTA)
-    here = srcs == NUM_BLOCKS
-    r_s = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
-    c_s = tl.sum(v * g, axis=0)
-    r = tl.where(here, r_s, 0.0)
-    c = tl.where(here, c_s, 0.0)
-    dots = tl.where(here, tl.sum(dxh * v, axis=0), 0.0)
-    m = r_s * c_s
-    den = tl.full([], 1.0, tl.float32)
-    acc = v
-    for s in tl.range(0, NUM_BLOCKS, num_stages=LOOP_STAGES):
-        v = _bank_row(blocks_row, s, blocks_block_stride, cols, cmask)
-        here = srcs == s
-        r_s = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
-        c_s = tl.sum(v * g, axis=0)
-        r = tl.where(here, r_s, r)
-        c = tl.where(here, c_s, c)
-        dots = tl.where(here, tl.sum(dxh * v, axis=0), dots)
-        m_new = tl.maximum(m, r_s * c_s)
-        scale = tl.exp(m - m_new)
-        e = tl.exp(r_s * c_s - m_new)
-        den = den * scale + e
-        acc = acc * scale + e * v
-        m = m_new
-    w = tl.where(srcs <= NUM_BLOCKS, tl.exp(r * c - m) / den, 0.0)
-
-    dw = dots  # sum(dm * v_s) where dm, the mix's gradient, is dxh without the norm
-    if HAS_OUT_NORM:
-        # The mix rounded as the forward rounded it; its norm's backward gives
-        # dm = rho dxh - k x, so dw_s = rho sum(dxh v_s) - k sum(x v_s).
-        x = (acc / den).to(dtype).to(tl.float32)
-        rho = tl.rsqrt(tl.sum(x * x, axis=0) / H + out_eps)
-        k = rho * rho * rho * tl.sum(dxh * x, axis=0) / H
-        # Stored in the model dtype, as autograd holds the mix's gradient.
-        tl.store(dm_ptr + tok * H + cols, (rho * dxh - k * x).to(dm_ptr.dtype.element_ty),
-                 mask=cmask)
-        tl.store(x_ptr + tok * H + cols, x.to(x_ptr.dtype.element_ty), mask=cmask)
-        tl.store(norm_ptr + tok, rho)
-        # Pass 2: sum(x v_s) (mostly from L2: the token's rows were just read).
-        v = _last_source(prefix_row, delta_row, cols, cmask, HAS_DELTA)
-        xv = tl.where(srcs == NUM_BLOCKS, tl.sum(x * v, axis=0), 0.0)
-        for s in tl.range(0, NUM_BLOCKS, num_stages=LOOP_STAGES):
-            v = _bank_row(blocks_row, s, blocks_block_stride, cols, cmask)
-            xv = tl.where(srcs == s, tl.sum(x * v, axis=0), xv)
-        dw = rho * dots - k * xv
-    dlogit = w * (dw - tl.sum(w * dw, axis=0))
-    coef_row = coef_ptr + tok * (3 * S)
-    tl.store(coef_row + srcs, w)
-    tl.store(coef_row + S + srcs, dlogit * r)
-    tl.store(coef_row + 2 * S + srcs, dlogit * c * r * r * r / H)
-
-
-@triton.jit
-def _attn_res_bwd_rows_kernel(
-    prefix_ptr, prefix_stride, delta_ptr, delta_stride,
-    blocks_ptr, blocks_token_stride, blocks_block_stride,
-    norm_w_ptr, proj_w_ptr,
     grad_ptr, grad_stride, grad_prefix_ptr, grad_prefix_stride,
-    coef_ptr, norm_ptr, dm_ptr, dm_stride, x_ptr,
     d_blocks_ptr, d_blocks_token_stride, d_blocks_block_stride,
     d_last_ptr, d_last_stride,
     u_part_ptr, w_out_part_ptr,
-    T, H, tokens_per_group,
+    T, H, tokens_per_group, eps, out_eps,
     BLOCK_H: tl.constexpr, S: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_GRAD_PREFIX: tl.constexpr,
     HAS_OUT_NORM: tl.constexpr, OUT_WEIGHT_IN_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
-    """One program per group of tokens: the sources' gradients, and the group's sums of
-    ``u`` and of the output norm's weight gradient."""
-    group = tl.program_id(0).to(tl.int64)
+    """One program per group of tokens, two passes over each token's sources: the
+    forward's online softmax (1/rms, logit sums, the mix), then the sources' gradients.
+    Sums ``u`` and the output norm's weight gradient over the group's tokens."""
+    group = tl.program_id(0).to(tl.int64)  # int64: token * stride overflows int32
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
     srcs = tl.arange(0, S)
@@ -164,32 +89,70 @@ def _attn_res_bwd_rows_kernel(
     first = group * tokens_per_group
     for i in range(0, tl.minimum(tokens_per_group, T - first)):
         tok = first + i
-        coef_row = coef_ptr + tok * (3 * S)
-        w = tl.load(coef_row + srcs)
-        a = tl.load(coef_row + S + srcs)
-        b = tl.load(coef_row + 2 * S + srcs)
-        dm = tl.load(dm_ptr + tok * dm_stride + cols, mask=cmask, other=0.0).to(tl.float32)
+        blocks_row = blocks_ptr + tok * blocks_token_stride
+        prefix_row = prefix_ptr + tok * prefix_stride
+        delta_row = delta_ptr + tok * delta_stride
+        # Pass 1, the forward's online softmax: per source its 1/rms ``r`` and its dot
+        # with g ``c``, and the running mix. The last source seeds it.
+        v = _last_source(prefix_row, delta_row, cols, cmask, HAS_DELTA)
+        c_s, sq = _sum_pair(v * g, v * v, 0)
+        r_s = tl.rsqrt(sq / H + eps)
+        here = srcs == NUM_BLOCKS
+        r = tl.where(here, r_s, 0.0)
+        c = tl.where(here, c_s, 0.0)
+        m = r_s * c_s
+        den = tl.full([], 1.0, tl.float32)
+        acc = v
+        for s in tl.range(0, NUM_BLOCKS, num_stages=LOOP_STAGES):
+            v = _bank_row(blocks_row, s, blocks_block_stride, cols, cmask)
+            c_s, sq = _sum_pair(v * g, v * v, 0)
+            r_s = tl.rsqrt(sq / H + eps)
+            here = srcs == s
+            r = tl.where(here, r_s, r)
+            c = tl.where(here, c_s, c)
+            m_new = tl.maximum(m, r_s * c_s)
+            scale = tl.exp(m - m_new)
+            e = tl.exp(r_s * c_s - m_new)
+            den = den * scale + e
+            acc = acc * scale + e * v
+            m = m_new
+        w = tl.where(srcs <= NUM_BLOCKS, tl.exp(r * c - m) / den, 0.0)
+        mix = acc / den
+        # dm, the gradient reaching the mix; and the softmax backward's shared term
+        # sum_t w_t sum(dm v_t) as sum(dm mix), without a pass over the sources.
+        dm = tl.load(grad_ptr + tok * grad_stride + cols, mask=cmask, other=0.0).to(tl.float32)
         if HAS_OUT_NORM:
-            gr = tl.load(grad_ptr + tok * grad_stride + cols, mask=cmask, other=0.0)
-            xn = tl.load(x_ptr + tok * H + cols, mask=cmask, other=0.0).to(tl.float32)
-            xn = xn * tl.load(norm_ptr + tok)
+            # The output norm read the mix rounded to the model dtype: x.
+            x = mix.to(dtype).to(tl.float32)
+            rho = tl.rsqrt(tl.sum(x * x, axis=0) / H + out_eps)
+            xn = x * rho
             if not OUT_WEIGHT_IN_FP32:
                 xn = xn.to(dtype).to(tl.float32)  # the forward rounded it before weighting
-            w_out_grad += gr.to(tl.float32) * xn
-        blocks_row = blocks_ptr + tok * blocks_token_stride
+            w_out_grad += dm * xn
+            dxh = dm * tl.load(out_norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            dm = rho * dxh - (rho * rho * rho * tl.sum(dxh * x, axis=0) / H) * x
+        # One source: dm v - shared is exactly 0, as the softmax's own backward gives.
+        shared = tl.sum(dm * mix, axis=0)
+        # Pass 2 (the token's rows mostly from L2 now): dlogit_s = w_s (sum(dm v_s) - shared),
+        # and dv_s = w_s dm + a_s g - b_s v_s with a_s = dlogit_s r_s, b_s = a_s c_s r_s^2 / H.
         d_row = d_blocks_ptr + tok * d_blocks_token_stride
         for s in tl.range(0, NUM_BLOCKS, num_stages=LOOP_STAGES):
             v = _bank_row(blocks_row, s, blocks_block_stride, cols, cmask)
-            a_s = _pick(a, srcs, s)
-            dv = _pick(w, srcs, s) * dm + a_s * g - _pick(b, srcs, s) * v
+            w_s = _pick(w, srcs, s)
+            r_s = _pick(r, srcs, s)
+            a_s = w_s * (tl.sum(dm * v, axis=0) - shared) * r_s
+            b_s = a_s * _pick(c, srcs, s) * r_s * r_s / H
             u += a_s * v
+            dv = w_s * dm + a_s * g - b_s * v
             tl.store(d_row + (tl.zeros([], tl.int64) + s) * d_blocks_block_stride + cols,
                      dv.to(d_blocks_ptr.dtype.element_ty), mask=cmask)
-        v = _last_source(prefix_ptr + tok * prefix_stride, delta_ptr + tok * delta_stride,
-                         cols, cmask, HAS_DELTA)
-        a_s = _pick(a, srcs, NUM_BLOCKS)
-        dv = _pick(w, srcs, NUM_BLOCKS) * dm + a_s * g - _pick(b, srcs, NUM_BLOCKS) * v
+        v = _last_source(prefix_row, delta_row, cols, cmask, HAS_DELTA)
+        w_s = _pick(w, srcs, NUM_BLOCKS)
+        r_s = _pick(r, srcs, NUM_BLOCKS)
+        a_s = w_s * (tl.sum(dm * v, axis=0) - shared) * r_s
+        b_s = a_s * _pick(c, srcs, NUM_BLOCKS) * r_s * r_s / H
         u += a_s * v
+        dv = w_s * dm + a_s * g - b_s * v
         if HAS_GRAD_PREFIX:  # the new prefix's own gradient
             dv += tl.load(grad_prefix_ptr + tok * grad_prefix_stride + cols, mask=cmask,
                           other=0.0).to(tl.float32)
@@ -198,6 +161,35 @@ def _attn_res_bwd_rows_kernel(
     tl.store(u_part_ptr + group * H + cols, u, mask=cmask)
     if HAS_OUT_NORM:
         tl.store(w_out_part_ptr + group * H + cols, w_out_grad, mask=cmask)
+
+
+
+@triton.jit
+def _attn_res_bwd_finish_kernel(
+    u_part_ptr, w_out_part_ptr, norm_w_ptr, proj_w_ptr,
+    d_norm_w_ptr, d_proj_w_ptr, d_out_norm_w_ptr, groups, H,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, HAS_OUT_NORM: tl.constexpr,
+):
+    """The weight gradients from the groups' rows, summed in a fixed order: ``u`` times
+    the other factor of ``g = norm_w * proj_w``, and the output norm's."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < H
+    rows = tl.arange(0, BLOCK_G)
+    u = tl.zeros([BLOCK_C], tl.float32)
+    w_out_grad = tl.zeros([BLOCK_C], tl.float32)
+    for g0 in range(0, groups, BLOCK_G):
+        offs = (g0 + rows)[:, None] * H + cols[None, :]
+        mask = ((g0 + rows) < groups)[:, None] & cmask[None, :]
+        u += tl.sum(tl.load(u_part_ptr + offs, mask=mask, other=0.0), axis=0)
+        if HAS_OUT_NORM:
+            w_out_grad += tl.sum(tl.load(w_out_part_ptr + offs, mask=mask, other=0.0), axis=0)
+    norm_w = tl.load(norm_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    proj_w = tl.load(proj_w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(d_norm_w_ptr + cols, (u * proj_w).to(d_norm_w_ptr.dtype.element_ty), mask=cmask)
+    tl.store(d_proj_w_ptr + cols, (u * norm_w).to(d_proj_w_ptr.dtype.element_ty), mask=cmask)
+    if HAS_OUT_NORM:
+        tl.store(d_out_norm_w_ptr + cols, w_out_grad.to(d_out_norm_w_ptr.dtype.element_ty),
+                 mask=cmask)
 
 
 def _groups(T: int, device: torch.device) -> int:
@@ -219,6 +211,7 @@ def attn_res_backward(
     out_eps: float = 1e-6,
     out_weight_in_fp32: bool = False,
     token_groups: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of the functional AttnRes on row views, from the incoming ``grad_out``
     ``[T, H]`` (and ``grad_new_prefix``, the new prefix's, with ``delta``).
@@ -247,39 +240,35 @@ def attn_res_backward(
     groups = token_groups if token_groups is not None else _groups(T, device)
     if groups < 1:
         raise ValueError(f"token_groups must be >= 1, got {groups}")
-    u_part = torch.zeros((groups, H), dtype=torch.float32, device=device)
-    w_out_part = torch.zeros((groups, H) if has_norm else (1,), dtype=torch.float32,
+    # Every group stores its row (zeros for a group past the last token).
+    groups = groups if T > 0 else 0
+    u_part = torch.empty((groups, H), dtype=torch.float32, device=device)
+    w_out_part = torch.empty((groups, H) if has_norm else (1,), dtype=torch.float32,
                              device=device)
     if T > 0:
-        S = triton.next_power_of_2(num_blocks + 1)
-        block_h = triton.next_power_of_2(H)
-        num_warps = 8 if block_h >= 4096 else 4
-        coef = torch.empty((T, 3 * S), dtype=torch.float32, device=device)
-        norm = torch.empty((T,) if has_norm else (1,), dtype=torch.float32, device=device)
-        # With the output norm the scalars kernel stores the mix's gradient and the mix;
-        # without it the mix's gradient is the incoming one.
-        dm = torch.empty((T, H), dtype=prefix.dtype, device=device) if has_norm else grad_out
-        x = torch.empty((T, H), dtype=prefix.dtype, device=device) if has_norm else prefix
-        has_delta = delta is not None
+        has_delta, has_gp = delta is not None, grad_new_prefix is not None
         delta_arg = delta if has_delta else prefix
-        sources = (prefix, prefix.stride(0), delta_arg, delta_arg.stride(0),
-                   blocks, blocks.stride(0), blocks.stride(1))
-        flags = dict(BLOCK_H=block_h, S=S, NUM_BLOCKS=int(num_blocks), HAS_DELTA=has_delta,
-                     HAS_OUT_NORM=has_norm, LOOP_STAGES=LOOP_STAGES, num_warps=num_warps)
-        _attn_res_bwd_scalars_kernel[(T,)](
-            *sources, norm_w, proj_w, out_norm_w if has_norm else norm_w,
-            grad_out, grad_out.stride(0), coef, norm, dm, x, H, float(eps), float(out_eps),
-            **flags)
-        has_gp = grad_new_prefix is not None
         gp = grad_new_prefix if has_gp else grad_out
-        _attn_res_bwd_rows_kernel[(groups,)](
-            *sources, norm_w, proj_w, grad_out, grad_out.stride(0), gp, gp.stride(0),
-            coef, norm, dm, dm.stride(0), x,
+        block_h = triton.next_power_of_2(H)
+        _attn_res_bwd_kernel[(groups,)](
+            prefix, prefix.stride(0), delta_arg, delta_arg.stride(0),
+            blocks, blocks.stride(0), blocks.stride(1),
+            norm_w, proj_w, out_norm_w if has_norm else norm_w,
+            grad_out, grad_out.stride(0), gp, gp.stride(0),
             d_blocks, d_blocks.stride(0), d_blocks.stride(1), d_last, d_last.stride(0),
-            u_part, w_out_part, T, H, cdiv(T, groups),
-            HAS_GRAD_PREFIX=has_gp, OUT_WEIGHT_IN_FP32=bool(out_weight_in_fp32), **flags)
-    u = u_part.sum(0)
-    d_norm_w = (u * proj_w.float()).to(norm_w.dtype)
-    d_proj_w = (u * norm_w.float()).to(proj_w.dtype)
-    d_out_norm_w = w_out_part.sum(0).to(out_norm_w.dtype) if has_norm else None
+            u_part, w_out_part, T, H, cdiv(T, groups), float(eps), float(out_eps),
+            BLOCK_H=block_h, S=triton.next_power_of_2(num_blocks + 1),
+            NUM_BLOCKS=int(num_blocks), HAS_DELTA=has_delta, HAS_GRAD_PREFIX=has_gp,
+            HAS_OUT_NORM=has_norm, OUT_WEIGHT_IN_FP32=bool(out_weight_in_fp32),
+            LOOP_STAGES=LOOP_STAGES,
+            num_warps=num_warps or (NUM_WARPS if block_h >= 4096 else 4))
+    d_norm_w = torch.empty(norm_w.shape, dtype=norm_w.dtype, device=device)
+    d_proj_w = torch.empty(proj_w.shape, dtype=proj_w.dtype, device=device)
+    d_out_norm_w = (torch.empty(out_norm_w.shape, dtype=out_norm_w.dtype, device=device)
+                    if has_norm else None)
+    _attn_res_bwd_finish_kernel[(cdiv(H, FINISH_COLUMNS),)](
+        u_part, w_out_part, norm_w, proj_w, d_norm_w, d_proj_w,
+        d_out_norm_w if has_norm else d_norm_w, groups, H,
+        BLOCK_G=min(triton.next_power_of_2(max(groups, 1)), FINISH_ROWS),
+        BLOCK_C=FINISH_COLUMNS, HAS_OUT_NORM=has_norm, num_warps=8)
     return d_last, d_blocks, d_norm_w, d_proj_w, d_out_norm_w

@@ -114,20 +114,24 @@ def test_backward_op_matches_reference_autograd(tokens, width, nb_max, data, dty
         assert not got[1][:, num_blocks:].any()  # slots the op never read
 
 
-@pytest.mark.parametrize("groups", [1, 2, 5])
-def test_rows_kernel_sums_weight_gradients_over_token_groups(groups):
-    """Several tokens per program of the rows kernel (the GPU's case at large T): the same
-    gradients as one token per program, within fp32 summation order."""
-    from k3fusion.kernels.attn_res_backward import attn_res_backward
+@pytest.mark.parametrize("finish_rows", [256, 2])
+@pytest.mark.parametrize("groups", [1, 2, 5, 9])
+def test_weight_gradients_sum_over_token_groups(groups, finish_rows, monkeypatch):
+    """Several tokens per program (the GPU's case at large T), and groups past the last
+    token (9 > T: they add zero rows): the same gradients as one token per program, within
+    fp32 summation order; also when the finish kernel loops over its group rows."""
+    from k3fusion.kernels import attn_res_backward as kernel
 
+    monkeypatch.setattr(kernel, "FINISH_ROWS", finish_rows)
     g = torch.Generator().manual_seed(groups)
     T, H = 7, 40
     prefix, delta, grad = (torch.randn(T, H, generator=g) for _ in range(3))
     blocks = torch.randn(T, 3, H, generator=g)
     nw, pw, ow = (1 + 0.3 * torch.randn(H, generator=g) for _ in range(3))
     with cpu_path("kernel"):
-        runs = [attn_res_backward(grad, grad, prefix, blocks, 3, nw, pw, 1e-6, delta=delta,
-                                  out_norm_w=ow, token_groups=n) for n in (T, groups)]
+        runs = [kernel.attn_res_backward(grad, grad, prefix, blocks, 3, nw, pw, 1e-6,
+                                         delta=delta, out_norm_w=ow, token_groups=n)
+                for n in (T, groups)]
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
