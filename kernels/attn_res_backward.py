@@ -1,15 +1,14 @@
-"""The backward of the functional AttnRes op (``k3fusion::attn_res``) in two launches.
+"""The backward of the functional AttnRes op (``k3fusion::attn_res``): one kernel and a
+small finish.
 
 The gradients of ``k3fusion.reference.attn_res`` (prefix update, softmax mix, output
 norm) in fp32, from the sources, the weights and the incoming gradients; the forward
-saves nothing. Both kernels read a token's sources a whole row at a time, one source
-per step of a software-pipelined loop (as the forward's prefill shape does). The
-**scalars** kernel (one program per token) computes its softmax weights, the gradient
-reaching its mix and the coefficients of its sources' gradients; the **rows** kernel
-(one program per group of tokens) writes the sources' gradients and sums the weight
-gradients over its tokens in registers, one row per group summed after (no atomics: the
-same bits on every run).
-The formulas and both kernels' designs: docs/design-notes.md, "kernels/attn_res_backward.py".
+saves nothing. One program per group of tokens takes its tokens in turn, two passes over
+each token's sources, a whole row per step of a software-pipelined loop (as the forward's
+prefill shape): the forward's online softmax, then the sources' gradients. It sums the
+weight gradients over its tokens in registers, one row per group; the finish kernel sums
+those rows in a fixed order (no atomics: the same bits on every run).
+The formulas and the design: docs/design-notes.md, "kernels/attn_res_backward.py".
 """
 
 from __future__ import annotations
@@ -23,13 +22,12 @@ from .attn_res import _sum_pair
 
 __all__ = ["attn_res_backward", "LOOP_STAGES", "GROUPS_PER_SM"]
 
-#: Source rows in flight in each kernel's pipelined source loop (the forward's prefill
-#: shape's depth: docs/experiments.md, "2026-11-29: the pipelined source loop").
+#: Source rows in flight in the pipelined source loops (the forward's prefill shape's
+#: depth: docs/experiments.md, "2026-11-29: the pipelined source loop").
 LOOP_STAGES = 3
-#: Token groups of the rows kernel per SM (fewer programs, each summing its weight
-#: gradients over more tokens); not swept: docs/experiments.md, "2026-12-03: the fused backward".
+#: Token groups (programs) per SM, and warps a program at rows of 4096 columns or more
+#: (4 below): docs/experiments.md, "2026-12-03: the fused backward" (the one-kernel form).
 GROUPS_PER_SM = 1
-#: Warps of a program at rows of 4096 columns or more (4 below).
 NUM_WARPS = 8
 #: Columns per program of the kernel that sums the groups' weight-gradient rows; each
 #: program reads its columns of every group's row in one tile, up to FINISH_ROWS.
@@ -220,9 +218,10 @@ def attn_res_backward(
     contiguous. Returns ``(d_last, d_blocks, d_norm_w, d_proj_w, d_out_norm_w)``:
     ``d_last [T, H]`` is the gradient of the last source (the prefix's, and ``delta``'s),
     ``d_blocks [T, NBmax, H]`` is 0 past ``num_blocks``; weight gradients in their
-    weights' dtypes (``None`` without ``out_norm_w``). ``token_groups`` (tests): the rows
-    kernel's programs (default :data:`GROUPS_PER_SM` per SM, at most ``T``). Arguments are
-    validated by the caller (``k3fusion.ops``).
+    weights' dtypes (``None`` without ``out_norm_w``). ``token_groups`` (tests, sweeps):
+    the kernel's programs (default :data:`GROUPS_PER_SM` per SM, at most ``T``);
+    ``num_warps`` (sweeps): its warps. Arguments are validated by the caller
+    (``k3fusion.ops``).
     """
     tensors = [grad_out, prefix, blocks, norm_w, proj_w]
     tensors += [t for t in (grad_new_prefix, delta, out_norm_w) if t is not None]
