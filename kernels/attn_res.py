@@ -81,7 +81,9 @@ TILE_MAX_PER_THREAD = 192
 #: The automatic launch shape, measured: docs/benchmarks.md#attnres-launch-selection-sweep-issue-20
 #: (up to 255 tokens the 2026-12-03 run with the block count compiled in:
 #: docs/experiments.md#2026-12-03-the-block-count-as-a-constexpr; the prefill rows the
-#: 2026-12-02 run: docs/experiments.md#2026-12-02-the-launch-selection-run-issue-20).
+#: 2026-12-02 run: docs/experiments.md#2026-12-02-the-launch-selection-run-issue-20, with
+#: the rows of 256-724 / 256-362 tokens and H 2048's from 363 the 2026-12-03 prefill run:
+#: docs/experiments.md#2026-12-03-prefill-rows-against-the-public-kernel-issue-30).
 #: Keyed by the most bytes of a padded row (``next_power_of_2(H) * element size``, so fp32
 #: at H 2048 takes bf16's H 4096 row: the same bytes per thread in flight, half the
 #: registers); rows ``(most tokens, shapes for 0, 1, ..., 8 completed blocks)``, the first
@@ -95,7 +97,8 @@ LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
     4 * 1024: (  # bf16/fp16 H <= 2048, fp32 H <= 1024
         (64, "r1x4e solo8 solo8 solo8 r4x4e solo4 solo4 solo8 solo4"),
         (255, "r1x8 solo8 solo8 solo8 solo8 solo4 solo4 solo8 solo8"),
-        (None, "r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3"),
+        (362, "r1x4p3 r1x8p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3"),
+        (None, "r1x2p3 r1x8p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3"),
     ),
     8 * 1024: (  # bf16/fp16 H <= 4096, fp32 H <= 2048
         (64, "r1x8e solo16 solo16 solo16 r4x8e solo8 solo8 r8x8e solo8"),
@@ -106,6 +109,7 @@ LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
         (12, "r1x8 solo8 solo8 solo8 solo8 solo8 r8x8e s1024x4 s1024x4"),
         (64, "solo16 solo8 solo8 solo16 solo16 solo8 r8x8e solo16 r4x8e"),
         (255, "solo16 solo8 solo16 solo16 solo16 solo16 solo16 r2x8p3 r2x8p3"),
+        (724, "solo8 solo8 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3"),
         (None, "solo16 solo16 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3"),
     ),
 }
