@@ -159,15 +159,16 @@ def test_k3fusion_backend_bf16(pass_runs, bank, block_size):
 @example(seed=5, batch=2, seq=5, block_size=1)
 @example(seed=11, batch=3, seq=11, block_size=1)
 @given(seed=st.integers(0, 2**16), batch=st.integers(2, 3), seq=st.integers(4, 9),
-       block_size=st.sampled_from([1, 2]))
+       block_size=st.just(1))
 def test_dynamic_one_compile_serves_every_token_count(pass_runs, compiled_cache, seed, batch,
                                                       seq, block_size):
     """``dynamic=True``: one compile per model (block size) serves every token count, fuses
     every site, and matches eager -- over seeds, token counts and block sizes.
 
     The explicit examples are one model (block size 1: a boundary at every layer) at two
-    token counts; the generated ones (2, to keep time: a dynamic compile costs ~20 s here)
-    reuse it or add block size 2. batch != seq always: equal sizes would be duck-sized
+    token counts; the generated ones (2) reuse it at other seeds and token counts (one
+    dynamic compile costs ~35 s on a 2-core CI machine; block size 2 compiles dynamic in
+    the public catalogue's test). batch != seq always: equal sizes would be duck-sized
     into one symbol (and then hit the sym_size bug, see test_attn_res_pass). The tensor
     bank (the list bank's compile is covered above).
     """
