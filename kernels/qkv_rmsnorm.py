@@ -41,20 +41,41 @@ def _dual_rms_norm_kernel(
     WEIGHT_IN_FP32_1: tl.constexpr,
     WEIGHT_IN_FP32_2: tl.constexpr,
     PDL: tl.constexpr,
+    WEIGHTS_EARLY: tl.constexpr,
 ):
-    dependent_start(PDL)
     # Programs [0, n_programs1) take tiles of the first norm, the rest tiles of the
     # second: the two norms run side by side instead of one after the other, and each
     # program's tile is about the same size (ROWS2 = ROWS1 * BLOCK_COLS1 / BLOCK_COLS2).
+    if not WEIGHTS_EARLY:
+        dependent_start(PDL)
     pid = tl.program_id(0)
     if pid < n_programs1:
+        w1 = _weight_row(w1_ptr, n_cols1, BLOCK_COLS1, WEIGHTS_EARLY)
+        if WEIGHTS_EARLY:
+            dependent_start(PDL)
         rms_norm_rows(x1_ptr, w1_ptr, y1_ptr, pid * ROWS1, n_rows1, x1_row_stride,
                       y1_row_stride, n_cols1, eps1, BLOCK_COLS1, ROWS1, WEIGHT_IN_FP32_1,
-                      x1_ptr.dtype.element_ty)
+                      x1_ptr.dtype.element_ty, w1)
     else:
+        w2 = _weight_row(w2_ptr, n_cols2, BLOCK_COLS2, WEIGHTS_EARLY)
+        if WEIGHTS_EARLY:
+            dependent_start(PDL)
         rms_norm_rows(x2_ptr, w2_ptr, y2_ptr, (pid - n_programs1) * ROWS2, n_rows2,
                       x2_row_stride, y2_row_stride, n_cols2, eps2, BLOCK_COLS2, ROWS2,
-                      WEIGHT_IN_FP32_2, x2_ptr.dtype.element_ty)
+                      WEIGHT_IN_FP32_2, x2_ptr.dtype.element_ty, w2)
+
+
+@triton.jit
+def _weight_row(w_ptr, n_cols, BLOCK_COLS: tl.constexpr, EARLY: tl.constexpr):
+    """``EARLY``: the weight row, loaded now -- before the PDL wait, so its latency overlaps
+    the previous launch's tail (only where nothing that launch does writes the weights:
+    the caller's promise, ``weights_early``); else None (loaded with the rows)."""
+    if EARLY:
+        cols = tl.arange(0, BLOCK_COLS)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    else:
+        w = None
+    return w
 
 
 @dataclass(frozen=True)
@@ -100,6 +121,7 @@ def dual_rms_norm(
     rows_per_program: int = 0,
     num_warps: int = 0,
     pdl: bool | None = None,
+    weights_early: bool = False,
 ) -> None:
     """Launch the fused kernel on 2-D row views ``x1 [T1, N1]``, ``x2 [T2, N2]``.
 
@@ -108,6 +130,8 @@ def dual_rms_norm(
     only checks what the kernel itself needs. ``rows_per_program``/``num_warps`` of 0
     pick by size (:func:`pick_launch_shape`). ``pdl``: launch as the previous launch's
     programmatic dependent (None: wherever the GPU can, :func:`_launch.pdl_launch`).
+    ``weights_early``: load the weights before that launch's wait (faster at decode sizes);
+    only for a caller that knows the launch before this one does not write ``w1``/``w2``.
     """
     check_launchable(x1, w1, y1, x2, w2, y2)
     pdl = pdl_launch(x1.device, pdl)
@@ -131,6 +155,7 @@ def dual_rms_norm(
         WEIGHT_IN_FP32_1=bool(weight_in_fp32_1),
         WEIGHT_IN_FP32_2=bool(weight_in_fp32_2),
         PDL=pdl,
+        WEIGHTS_EARLY=bool(weights_early),
         num_warps=shape.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )

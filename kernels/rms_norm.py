@@ -40,8 +40,10 @@ def rms_norm_rows(
     ROWS: tl.constexpr,
     WEIGHT_IN_FP32: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
+    w_loaded=None,
 ):
-    """Rows ``row0 .. row0 + ROWS`` of ``x`` (those below ``n_rows``), normalized into ``y``."""
+    """Rows ``row0 .. row0 + ROWS`` of ``x`` (those below ``n_rows``), normalized into ``y``;
+    ``w_loaded``: the weight row already loaded (fp32, ``[BLOCK_COLS]``) instead of ``w_ptr``."""
     rows = row0 + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     row_mask = rows < n_rows
@@ -54,7 +56,10 @@ def rms_norm_rows(
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / n_cols + eps)
     normed = x32 * inv_rms[:, None]
-    w32 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if w_loaded is None:
+        w32 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        w32 = w_loaded
     if WEIGHT_IN_FP32:
         y = normed * w32[None, :]
     else:

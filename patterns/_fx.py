@@ -281,6 +281,36 @@ def is_graph_input(node: object) -> bool:
     return isinstance(node, Node) and node.op in ("placeholder", "get_attr")
 
 
+def writes_into(node: Node, bases: set[Node]) -> bool:
+    """Whether ``node`` may write into (a view of) one of ``bases``: an op whose schema
+    marks that argument written; a higher-order op (its schema says nothing) that reads one."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        read = []
+        torch.fx.node.map_arg((node.args, node.kwargs), read.append)
+        return any(view_base(a) in bases for a in read)
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, Node) and view_base(v) in bases for v in values):
+            return True
+    return False
+
+
+def view_base(node: Node) -> Node:
+    """The node whose buffer ``node`` views (itself if it is no view op)."""
+    while is_op(node, *VIEW_OPS):
+        node = node.args[0]
+    return node
+
+
 def depends_on(node: Node, targets: Iterable[Node], order: dict[Node, int] | None = None) -> bool:
     """Whether ``node`` reads any of ``targets``, directly or through its inputs. With
     ``order`` (each node's graph position), inputs placed before the first target are not

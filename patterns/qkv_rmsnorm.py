@@ -33,8 +33,9 @@ import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the op this p
 from k3fusion.config import env_name
 
 from ._fx import (VIEW_OPS, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on,
-                  erase_unused, fake_call, hoist_before, insert_call, is_op, matmul_operands,
-                  plan_size_reads, prims, row_padded, slice_args, users, val)
+                  erase_unused, fake_call, hoist_before, insert_call, is_graph_input, is_op,
+                  matmul_operands, plan_size_reads, prims, row_padded, slice_args, users, val,
+                  view_base, writes_into)
 from .fusion import Fusion, FusionResult, Reservation
 from .rms_norm import RMSNormMatch, eps_op_args
 
@@ -221,10 +222,26 @@ def _through_copy(norm: RMSNormMatch) -> Node:
     return x
 
 
-def _pair_args(a: RMSNormMatch, b: RMSNormMatch, xa: Node, xb: Node) -> tuple:
+def _pair_args(a: RMSNormMatch, b: RMSNormMatch, xa: Node, xb: Node,
+               weights_early: bool = False) -> tuple:
     (eps_a, eps_a_tensor), (eps_b, eps_b_tensor) = eps_op_args(a.eps), eps_op_args(b.eps)
     return (xa, a.weight, eps_a, xb, b.weight, eps_b, a.weight_in_fp32, b.weight_in_fp32,
-            eps_a_tensor, eps_b_tensor)
+            eps_a_tensor, eps_b_tensor, weights_early)
+
+
+def weights_early(graph: Graph, rows: list[Node], weights: list[Node]) -> bool:
+    """Whether the fused kernel may read the weights before the launch ahead of it has
+    finished (``dual_rms_norm(weights_early=True)``): the weights are the graph's inputs
+    and no node of the graph writes them, and both row inputs are computed in the graph,
+    so the launch ahead of the kernel is one of the graph's own (it runs after the rows'
+    producer) and everything before that one has finished (docs/design-notes.md,
+    "Weights read before the PDL wait")."""
+    bases = {view_base(w) for w in weights}  # views only: a copy is written in the graph
+    if not all(is_graph_input(w) for w in bases):
+        return False
+    if any(is_graph_input(view_base(x)) for x in rows):
+        return False
+    return not any(writes_into(n, bases) for n in graph.nodes)
 
 
 def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
@@ -243,7 +260,7 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
             continue
         xa, xb = through
         break
-    args = _pair_args(a, b, xa, xb)
+    args = _pair_args(a, b, xa, xb, weights_early(graph, [xa, xb], [a.weight, b.weight]))
     try:  # the op's own checks (strides, devices...) before the graph is touched
         fake_call(op, args)
     except (TypeError, ValueError) as e:

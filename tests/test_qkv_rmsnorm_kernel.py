@@ -227,11 +227,31 @@ def test_pdl_form_waits_before_its_first_load() -> None:
     (griddepcontrol.wait) before any global load -- the weights too, which a training
     step's previous launch may have written -- then lets the next launch start."""
     const = dict(BLOCK_COLS1=2048, BLOCK_COLS2=512, ROWS1=1, ROWS2=4, WEIGHT_IN_FP32_1=False,
-                 WEIGHT_IN_FP32_2=False)
+                 WEIGHT_IN_FP32_2=False, WEIGHTS_EARLY=False)
     for pdl in (True, False):
         ptx = hopper_ptx("k3fusion.kernels.qkv_rmsnorm:_dual_rms_norm_kernel",
                          f"the q/kv kernel PDL={pdl}", dict(const, PDL=pdl), num_warps=2)
         assert_pdl_order(ptx, pdl)
+
+
+def test_weights_early_form_loads_only_its_weight_row_before_the_wait() -> None:
+    """``WEIGHTS_EARLY``: each program's branch loads its norm's weight row, then waits,
+    then loads its rows. Counted in loads of one width: the q weight row (2048) and the kv
+    tile (4 x 512) before / after the waits, the q rows (2048) and the kv weight row
+    (512) between them."""
+    const = dict(BLOCK_COLS1=2048, BLOCK_COLS2=512, ROWS1=1, ROWS2=4, WEIGHT_IN_FP32_1=False,
+                 WEIGHT_IN_FP32_2=False, WEIGHTS_EARLY=True, PDL=True)
+    ptx = hopper_ptx("k3fusion.kernels.qkv_rmsnorm:_dual_rms_norm_kernel",
+                     "the q/kv kernel, weights early", const, num_warps=2)
+    lines = [x.strip() for x in ptx.splitlines()]
+    waits = [i for i, x in enumerate(lines) if "griddepcontrol.wait" in x]
+    loads = [i for i, x in enumerate(lines) if "ld.global" in x]
+    assert len(waits) == 2, waits  # one per branch
+    first = [i for i in loads if i < waits[0]]
+    between = [i for i in loads if waits[0] < i < waits[1]]
+    after = [i for i in loads if i > waits[1]]
+    assert first and len(after) == len(first) and 4 * len(between) == 5 * len(first), (
+        len(first), len(between), len(after))
 
 
 # --------------------------------------------------------------- the tolerance helper

@@ -36,26 +36,29 @@ def dual_rms_norm_op(
     weight_in_fp32_2: bool = False,
     eps1_tensor: Optional[torch.Tensor] = None,
     eps2_tensor: Optional[torch.Tensor] = None,
+    weights_early: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two RMSNorms in one launch; see ``k3fusion.reference.dual_rms_norm``.
 
     ``eps1_tensor``/``eps2_tensor`` are the compiler's form of eps: with
     ``torch.compile(dynamic=True)`` a module's float eps becomes a 0-dim CPU tensor
-    input of the graph. When given, it replaces ``eps1``/``eps2``.
+    input of the graph. When given, it replaces ``eps1``/``eps2``. ``weights_early``: the
+    kernel may read ``w1``/``w2`` before the previous launch has finished (set by the
+    graph pass only where no launch before it in the graph writes them; same results).
     """
     raise NotImplementedError(f"k3fusion::dual_rms_norm has no kernel for {x1.device.type}")
 
 
 @dual_rms_norm_op.register_fake
 def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
-      eps1_tensor=None, eps2_tensor=None):
+      eps1_tensor=None, eps2_tensor=None, weights_early=False):
     _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
     return new_norm_output(x1, w1, weight_in_fp32_1), new_norm_output(x2, w2, weight_in_fp32_2)
 
 
 @dual_rms_norm_op.register_kernel(("cpu", "cuda"))
 def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
-      eps1_tensor=None, eps2_tensor=None):
+      eps1_tensor=None, eps2_tensor=None, weights_early=False):
     _check_dual(x1, w1, eps1, x2, w2, eps2, eps1_tensor, eps2_tensor)
     eps1 = eps_value(eps1, eps1_tensor, "eps1_tensor")
     eps2 = eps_value(eps2, eps2_tensor, "eps2_tensor")
@@ -71,12 +74,13 @@ def _(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False
         as_rows(x1), w1, eps1, as_rows(x2), w2, eps2, as_rows(y1), as_rows(y2),
         weight_in_fp32_1, weight_in_fp32_2,
         rows_per_program=dual_norm_rows_for_widths(get_config(), x1.shape[-1], x2.shape[-1]),
+        weights_early=weights_early,
     )
     return y1, y2
 
 
 def _dual_formula(x1, w1, eps1, x2, w2, eps2, weight_in_fp32_1=False, weight_in_fp32_2=False,
-                  eps1_tensor=None, eps2_tensor=None):
+                  eps1_tensor=None, eps2_tensor=None, weights_early=False):
     return reference.dual_rms_norm(x1, w1, eps_value(eps1, eps1_tensor, "eps1_tensor"), x2, w2,
                                    eps_value(eps2, eps2_tensor, "eps2_tensor"),
                                    weight_in_fp32_1, weight_in_fp32_2)
