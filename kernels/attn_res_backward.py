@@ -59,6 +59,17 @@ def _pick(vec, srcs, s):
 
 
 @triton.jit
+def _source_gradient(v, s, dm, shared, g, w, r, c, srcs, H):
+    """Source ``s`` (row ``v``): ``a_s = dlogit_s r_s`` with ``dlogit_s = w_s (sum(dm v_s) -
+    shared)``, and its row's gradient ``w_s dm + a_s g - b_s v_s``, ``b_s = a_s c_s r_s^2 / H``."""
+    w_s = _pick(w, srcs, s)
+    r_s = _pick(r, srcs, s)
+    a_s = w_s * (tl.sum(dm * v, axis=0) - shared) * r_s
+    b_s = a_s * _pick(c, srcs, s) * r_s * r_s / H
+    return a_s, w_s * dm + a_s * g - b_s * v
+
+
+@triton.jit
 def _attn_res_bwd_kernel(
     prefix_ptr, prefix_stride, delta_ptr, delta_stride,
     blocks_ptr, blocks_token_stride, blocks_block_stride,
@@ -131,26 +142,17 @@ def _attn_res_bwd_kernel(
             dm = rho * dxh - (rho * rho * rho * tl.sum(dxh * x, axis=0) / H) * x
         # One source: dm v - shared is exactly 0, as the softmax's own backward gives.
         shared = tl.sum(dm * mix, axis=0)
-        # Pass 2 (the token's rows mostly from L2 now): dlogit_s = w_s (sum(dm v_s) - shared),
-        # and dv_s = w_s dm + a_s g - b_s v_s with a_s = dlogit_s r_s, b_s = a_s c_s r_s^2 / H.
+        # Pass 2 (the token's rows mostly from L2 now): each source's gradient.
         d_row = d_blocks_ptr + tok * d_blocks_token_stride
         for s in tl.range(0, NUM_BLOCKS, num_stages=LOOP_STAGES):
             v = _bank_row(blocks_row, s, blocks_block_stride, cols, cmask)
-            w_s = _pick(w, srcs, s)
-            r_s = _pick(r, srcs, s)
-            a_s = w_s * (tl.sum(dm * v, axis=0) - shared) * r_s
-            b_s = a_s * _pick(c, srcs, s) * r_s * r_s / H
+            a_s, dv = _source_gradient(v, s, dm, shared, g, w, r, c, srcs, H)
             u += a_s * v
-            dv = w_s * dm + a_s * g - b_s * v
             tl.store(d_row + (tl.zeros([], tl.int64) + s) * d_blocks_block_stride + cols,
                      dv.to(d_blocks_ptr.dtype.element_ty), mask=cmask)
         v = _last_source(prefix_row, delta_row, cols, cmask, HAS_DELTA)
-        w_s = _pick(w, srcs, NUM_BLOCKS)
-        r_s = _pick(r, srcs, NUM_BLOCKS)
-        a_s = w_s * (tl.sum(dm * v, axis=0) - shared) * r_s
-        b_s = a_s * _pick(c, srcs, NUM_BLOCKS) * r_s * r_s / H
+        a_s, dv = _source_gradient(v, NUM_BLOCKS, dm, shared, g, w, r, c, srcs, H)
         u += a_s * v
-        dv = w_s * dm + a_s * g - b_s * v
         if HAS_GRAD_PREFIX:  # the new prefix's own gradient
             dv += tl.load(grad_prefix_ptr + tok * grad_prefix_stride + cols, mask=cmask,
                           other=0.0).to(tl.float32)
@@ -159,7 +161,6 @@ def _attn_res_bwd_kernel(
     tl.store(u_part_ptr + group * H + cols, u, mask=cmask)
     if HAS_OUT_NORM:
         tl.store(w_out_part_ptr + group * H + cols, w_out_grad, mask=cmask)
-
 
 
 @triton.jit

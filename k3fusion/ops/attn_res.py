@@ -483,7 +483,9 @@ def _(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w, proj_w, eps
 
 def _attn_res_backward_formula(grad_out, grad_new_prefix, prefix, blocks, num_blocks, norm_w,
                                proj_w, eps, delta, out_norm_w, out_eps, out_weight_in_fp32):
-    """The kernel's gradient formulas (``kernels/attn_res_backward.py``) in plain torch, fp32."""
+    """The kernel's gradient formulas (``kernels/attn_res_backward.py``) in plain torch, fp32
+    (the softmax backward's shared term summed over the sources here, as ``sum(dm * mix)``
+    there: the same sum)."""
     p = prefix if delta is None else (prefix.float() + delta.float()).to(prefix.dtype)
     shape = (_num_rows(prefix), prefix.shape[-1])
     H = shape[1]
