@@ -281,27 +281,30 @@ def is_graph_input(node: object) -> bool:
     return isinstance(node, Node) and node.op in ("placeholder", "get_attr")
 
 
-def writes_into(node: Node, bases: set[Node]) -> bool:
-    """Whether ``node`` may write into (a view of) one of ``bases``: an op whose schema
-    marks that argument written; a higher-order op (its schema says nothing) that reads one."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        read = []
-        torch.fx.node.map_arg((node.args, node.kwargs), read.append)
-        return any(view_base(a) in bases for a in read)
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    for i, arg in enumerate(target._schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
+def written_buffers(graph: Graph) -> set[Node]:
+    """The nodes whose buffers some node of ``graph`` may write (through a view or not): an
+    op's arguments its schema marks written; everything a higher-order op reads (its
+    schema says nothing of its effects)."""
+    written = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
             continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        values = value if isinstance(value, (list, tuple)) else [value]
-        if any(isinstance(v, Node) and view_base(v) in bases for v in values):
-            return True
-    return False
+        target = node.target
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            torch.fx.node.map_arg((node.args, node.kwargs),
+                                  lambda n: written.add(view_base(n)))
+            continue
+        if not isinstance(target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, Node):
+                    written.add(view_base(v))
+    return written
 
 
 def view_base(node: Node) -> Node:

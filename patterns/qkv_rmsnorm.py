@@ -35,7 +35,7 @@ from k3fusion.config import env_name
 from ._fx import (VIEW_OPS, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on,
                   erase_unused, fake_call, hoist_before, insert_call, is_graph_input, is_op,
                   matmul_operands, plan_size_reads, prims, row_padded, slice_args, users, val,
-                  view_base, writes_into)
+                  view_base, written_buffers)
 from .fusion import Fusion, FusionResult, Reservation
 from .rms_norm import RMSNormMatch, eps_op_args
 
@@ -229,22 +229,23 @@ def _pair_args(a: RMSNormMatch, b: RMSNormMatch, xa: Node, xb: Node,
             eps_a_tensor, eps_b_tensor, weights_early)
 
 
-def weights_early(graph: Graph, rows: list[Node], weights: list[Node]) -> bool:
+def weights_early(rows: list[Node], weights: list[Node], written: set[Node]) -> bool:
     """Whether the fused kernel may read the weights before the launch ahead of it has
     finished (``dual_rms_norm(weights_early=True)``): the weights are the graph's inputs
     and no node of the graph writes them, and both row inputs are computed in the graph,
     so the launch ahead of the kernel is one of the graph's own (it runs after the rows'
     producer) and everything before that one has finished (docs/design-notes.md,
-    "Weights read before the PDL wait")."""
+    "Weights read before the PDL wait"). ``written``: the graph's
+    :func:`~._fx.written_buffers`."""
     bases = {view_base(w) for w in weights}  # views only: a copy is written in the graph
     if not all(is_graph_input(w) for w in bases):
         return False
     if any(is_graph_input(view_base(x)) for x in rows):
         return False
-    return not any(writes_into(n, bases) for n in graph.nodes)
+    return not bases & written
 
 
-def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
+def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch, written: set[Node]) -> None:
     """One ``dual_rms_norm`` before the first reader of either output.
 
     The q norm's readers usually come before the kv projection in graph order, so the
@@ -260,7 +261,7 @@ def _replace_pair(graph: Graph, a: RMSNormMatch, b: RMSNormMatch) -> None:
             continue
         xa, xb = through
         break
-    args = _pair_args(a, b, xa, xb, weights_early(graph, [xa, xb], [a.weight, b.weight]))
+    args = _pair_args(a, b, xa, xb, weights_early([xa, xb], [a.weight, b.weight], written))
     try:  # the op's own checks (strides, devices...) before the graph is touched
         fake_call(op, args)
     except (TypeError, ValueError) as e:
@@ -293,9 +294,10 @@ def fuse_qkv_rmsnorm(graph: Graph, norms: list[RMSNormMatch]) -> FusionResult:
                    "reads the model dtype") for m in norms if m.x_round is not None]
     pairing = pair_qkv_norms(graph, [m for m in norms if m.x_round is None])
     fused, unpaired, claimed = 0, rounded + list(pairing.unpaired), set()
+    written = written_buffers(graph)  # the pairs' ops write nothing: valid for every pair
     for a, b, _ in pairing.pairs:
         try:
-            _replace_pair(graph, a, b)
+            _replace_pair(graph, a, b, written)
             fused += 1
             claimed |= {a.out, b.out}
         except NoMatch as e:  # raised before the graph is touched

@@ -91,3 +91,20 @@ def test_the_eager_path_never_reads_them_early():
                                                               "weights_early") as calls:
         module(h)
     assert calls == [False]
+
+
+def test_written_buffers_sees_writes_through_views_and_nothing_else():
+    """The graph scan behind the flag: a schema-marked write into a view of a buffer marks
+    the buffer; reads, and writes into fresh buffers, mark nothing."""
+    from torch.fx import Graph
+
+    from k3fusion.patterns._fx import written_buffers
+
+    aten = torch.ops.aten
+    g = Graph()
+    w, v, x = g.placeholder("w"), g.placeholder("v"), g.placeholder("x")
+    y = g.call_function(aten.add.Tensor, (w, x))  # a read
+    g.call_function(aten.copy_.default, (g.call_function(aten.view.default, (w, [-1])), x))
+    g.call_function(aten.mul_.Tensor, (y, 2.0))  # a write into a fresh buffer
+    g.output((y, v))
+    assert written_buffers(g) == {w, y}
