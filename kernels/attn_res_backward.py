@@ -60,13 +60,15 @@ def _pick(vec, srcs, s):
 
 @triton.jit
 def _source_gradient(v, s, dm, shared, g, w, r, c, srcs, H):
-    """Source ``s`` (row ``v``): ``a_s = dlogit_s r_s`` with ``dlogit_s = w_s (sum(dm v_s) -
-    shared)``, and its row's gradient ``w_s dm + a_s g - b_s v_s``, ``b_s = a_s c_s r_s^2 / H``."""
+    """Source ``s`` (row ``v``): ``dw_s = sum(dm v_s)`` and its row's gradient
+    ``w_s dm + a_s g - b_s v_s``, ``a_s = dlogit_s r_s`` with ``dlogit_s = w_s (dw_s -
+    shared)``, ``b_s = a_s c_s r_s^2 / H``."""
     w_s = _pick(w, srcs, s)
     r_s = _pick(r, srcs, s)
-    a_s = w_s * (tl.sum(dm * v, axis=0) - shared) * r_s
+    dw_s = tl.sum(dm * v, axis=0)
+    a_s = w_s * (dw_s - shared) * r_s
     b_s = a_s * _pick(c, srcs, s) * r_s * r_s / H
-    return a_s, w_s * dm + a_s * g - b_s * v
+    return dw_s, w_s * dm + a_s * g - b_s * v
 
 
 @triton.jit
@@ -142,17 +144,30 @@ def _attn_res_bwd_kernel(
             dm = rho * dxh - (rho * rho * rho * tl.sum(dxh * x, axis=0) / H) * x
         # One source: dm v - shared is exactly 0, as the softmax's own backward gives.
         shared = tl.sum(dm * mix, axis=0)
-        # Pass 2 (the token's rows mostly from L2 now): each source's gradient.
+        # Pass 2 (the token's rows mostly from L2 now): each source's gradient. The weight
+        # gradients sum over every token and source, so they take the shared term as the
+        # reference does, sum_s w_s dw_s of these same dw_s (``shared`` alone left them
+        # up to 20 ulps off where the terms cancel): u gets w_s r_s dw_s v_s per block now,
+        # and the shared term times sum_s w_s r_s v_s once the sum is known.
         d_row = d_blocks_ptr + tok * d_blocks_token_stride
+        weighted = tl.zeros([BLOCK_H], tl.float32)
+        shared_sum = tl.zeros([], tl.float32)
         for s in tl.range(0, NUM_BLOCKS, num_stages=LOOP_STAGES):
             v = _bank_row(blocks_row, s, blocks_block_stride, cols, cmask)
-            a_s, dv = _source_gradient(v, s, dm, shared, g, w, r, c, srcs, H)
-            u += a_s * v
+            dw_s, dv = _source_gradient(v, s, dm, shared, g, w, r, c, srcs, H)
+            w_s, wr_s = _pick(w, srcs, s), _pick(w, srcs, s) * _pick(r, srcs, s)
+            shared_sum += w_s * dw_s
+            u += (wr_s * dw_s) * v
+            weighted += wr_s * v
             tl.store(d_row + (tl.zeros([], tl.int64) + s) * d_blocks_block_stride + cols,
                      dv.to(d_blocks_ptr.dtype.element_ty), mask=cmask)
         v = _last_source(prefix_row, delta_row, cols, cmask, HAS_DELTA)
-        a_s, dv = _source_gradient(v, NUM_BLOCKS, dm, shared, g, w, r, c, srcs, H)
-        u += a_s * v
+        dw_s, dv = _source_gradient(v, NUM_BLOCKS, dm, shared, g, w, r, c, srcs, H)
+        w_s = _pick(w, srcs, NUM_BLOCKS)
+        wr_s = w_s * _pick(r, srcs, NUM_BLOCKS)
+        shared_sum += w_s * dw_s
+        # (One source: dw_s - shared_sum is exactly 0, weighted is 0.)
+        u += (wr_s * (dw_s - shared_sum)) * v - shared_sum * weighted
         if HAS_GRAD_PREFIX:  # the new prefix's own gradient
             dv += tl.load(grad_prefix_ptr + tok * grad_prefix_stride + cols, mask=cmask,
                           other=0.0).to(tl.float32)
