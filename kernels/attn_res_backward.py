@@ -60,15 +60,15 @@ def _pick(vec, srcs, s):
 
 @triton.jit
 def _source_gradient(v, s, dm, shared, g, w, r, c, srcs, H):
-    """Source ``s`` (row ``v``): ``dw_s = sum(dm v_s)`` and its row's gradient
-    ``w_s dm + a_s g - b_s v_s``, ``a_s = dlogit_s r_s`` with ``dlogit_s = w_s (dw_s -
-    shared)``, ``b_s = a_s c_s r_s^2 / H``."""
+    """Source ``s`` (row ``v``): ``dw_s = sum(dm v_s)``, its ``w_s``, ``w_s r_s`` and its
+    row's gradient ``w_s dm + a_s g - b_s v_s``, ``a_s = dlogit_s r_s`` with ``dlogit_s =
+    w_s (dw_s - shared)``, ``b_s = a_s c_s r_s^2 / H``."""
     w_s = _pick(w, srcs, s)
     r_s = _pick(r, srcs, s)
     dw_s = tl.sum(dm * v, axis=0)
     a_s = w_s * (dw_s - shared) * r_s
     b_s = a_s * _pick(c, srcs, s) * r_s * r_s / H
-    return dw_s, w_s * dm + a_s * g - b_s * v
+    return dw_s, w_s, w_s * r_s, w_s * dm + a_s * g - b_s * v
 
 
 @triton.jit
@@ -154,17 +154,15 @@ def _attn_res_bwd_kernel(
         shared_sum = tl.zeros([], tl.float32)
         for s in tl.range(0, NUM_BLOCKS, num_stages=LOOP_STAGES):
             v = _bank_row(blocks_row, s, blocks_block_stride, cols, cmask)
-            dw_s, dv = _source_gradient(v, s, dm, shared, g, w, r, c, srcs, H)
-            w_s, wr_s = _pick(w, srcs, s), _pick(w, srcs, s) * _pick(r, srcs, s)
+            dw_s, w_s, wr_s, dv = _source_gradient(v, s, dm, shared, g, w, r, c, srcs, H)
             shared_sum += w_s * dw_s
             u += (wr_s * dw_s) * v
             weighted += wr_s * v
             tl.store(d_row + (tl.zeros([], tl.int64) + s) * d_blocks_block_stride + cols,
                      dv.to(d_blocks_ptr.dtype.element_ty), mask=cmask)
         v = _last_source(prefix_row, delta_row, cols, cmask, HAS_DELTA)
-        dw_s, dv = _source_gradient(v, NUM_BLOCKS, dm, shared, g, w, r, c, srcs, H)
-        w_s = _pick(w, srcs, NUM_BLOCKS)
-        wr_s = w_s * _pick(r, srcs, NUM_BLOCKS)
+        dw_s, w_s, wr_s, dv = _source_gradient(v, NUM_BLOCKS, dm, shared, g, w, r, c, srcs,
+                                               H)
         shared_sum += w_s * dw_s
         # (One source: dw_s - shared_sum is exactly 0, weighted is 0.)
         u += (wr_s * (dw_s - shared_sum)) * v - shared_sum * weighted
