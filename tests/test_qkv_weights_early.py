@@ -108,3 +108,23 @@ def test_written_buffers_sees_writes_through_views_and_nothing_else():
     g.call_function(aten.mul_.Tensor, (y, 2.0))  # a write into a fresh buffer
     g.output((y, v))
     assert written_buffers(g) == {w, y}
+
+
+def test_public_mla_spellings_read_their_weights_early():
+    """Every public catalogue entry with a fused q/kv pair (HF / vLLM / framework MLA
+    spellings, not this repo's): its rows are projections computed in the graph and its
+    norm weights parameters, so every pair gets the flag; the output equals eager's."""
+    from public_catalogue import ENTRIES
+
+    entries = [e for e in ENTRIES if e.fused.get("qkv_rmsnorm")]
+    assert entries
+    for entry in entries:
+        model = entry.build().eval().to(torch.bfloat16)
+        args = entry.inputs(5, torch.bfloat16)
+        with torch.no_grad():
+            want = model(*args)
+        flags, got = _early_flags(model, *args)
+        assert flags and all(flags), (entry.name, flags)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got),
+                        torch.utils._pytree.tree_leaves(want)):
+            assert_close_rounding(a, b)
