@@ -163,9 +163,12 @@ def _attn_res_bwd_kernel(
         v = _last_source(prefix_row, delta_row, cols, cmask, HAS_DELTA)
         dw_s, w_s, wr_s, dv = _source_gradient(v, NUM_BLOCKS, dm, shared, g, w, r, c, srcs,
                                                H)
-        shared_sum += w_s * dw_s
-        # (One source: dw_s - shared_sum is exactly 0, weighted is 0.)
-        u += (wr_s * (dw_s - shared_sum)) * v - shared_sum * weighted
+        # One source: its softmax weight is constant, so u gets exactly 0. (Not from the
+        # formula: the compiler may contract the logit's ``r c - m`` into an FMA, leaving
+        # w_s a rounding below 1 and dw_s - w_s dw_s not 0.)
+        if NUM_BLOCKS > 0:
+            shared_sum += w_s * dw_s
+            u += (wr_s * (dw_s - shared_sum)) * v - shared_sum * weighted
         if HAS_GRAD_PREFIX:  # the new prefix's own gradient
             dv += tl.load(grad_prefix_ptr + tok * grad_prefix_stride + cols, mask=cmask,
                           other=0.0).to(tl.float32)

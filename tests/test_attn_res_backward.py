@@ -147,6 +147,29 @@ def test_weight_gradients_share_the_references_softmax_term(tokens, nb_max, num_
     grads._check_fused_backward(got, want, exact, torch.float32)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_one_source_gives_exactly_zero_weight_gradients(device):
+    """With one source (no completed block) the softmax weight is constant, so the norm and
+    projection weights get exactly 0, as the reference's autograd gives. On the GPU the
+    logit's ``r c - m`` is FMA-contracted, so the weight is a rounding below 1: the
+    general formula left ~4e-15 there (a K3 training step's fp64 check caught it)."""
+    g = torch.Generator().manual_seed(0)
+    H = 7168 if device == "cuda" else 40
+    tokens = 5
+    prefix, delta, grad_out, grad_new_prefix = (torch.randn(tokens, H, generator=g)
+                                                for _ in range(4))
+    norm_w, out_w = (1 + 0.3 * torch.randn(H, generator=g) for _ in range(2))
+    proj_w = torch.randn(H, generator=g) / H**0.5
+    blocks = torch.randn(tokens, 1, H, generator=g)
+    args = [t.to(device) for t in (prefix, blocks, norm_w, proj_w, delta, out_w)]
+    with cpu_path("kernel"):
+        d = ops.attn_res_backward(grad_out.to(device), grad_new_prefix.to(device), args[0],
+                                  args[1], 0, args[2], args[3], 1e-6, args[4], args[5], 1e-5,
+                                  False)
+    assert torch.equal(d[2], torch.zeros_like(norm_w, device=device))
+    assert torch.equal(d[3], torch.zeros_like(proj_w, device=device))
+
+
 @pytest.mark.parametrize("finish_rows", [256, 2])
 @pytest.mark.parametrize("groups", [1, 2, 5, 9])
 def test_weight_gradients_sum_over_token_groups(groups, finish_rows, monkeypatch):
