@@ -467,6 +467,58 @@ def check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp
                        f"TRITON_INTERPRET=1), not on {device.type}")
 
 
+def _check_out(out, shared, others, dtype) -> None:
+    """``out=`` of :func:`latent_moe_tail_fused`: a tensor of ``shared``'s shape in the
+    output dtype, on its device, last dim contiguous; ``shared`` itself or disjoint from
+    every input (a partial overlap would let one program read what another wrote)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != shared.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}; the tail's output is "
+                         f"{tuple(shared.shape)} (shared's)")
+    if out.dtype != dtype:
+        raise ValueError(f"out has dtype {out.dtype}; the tail writes up_w's dtype {dtype}")
+    if out.device != shared.device:
+        raise ValueError(f"out is on {out.device}, the inputs on {shared.device}")
+    if out.numel() and out.stride(-1) != 1:
+        raise ValueError(f"out's last dim must be contiguous (stride 1), got {out.stride(-1)}")
+    same_view = (out.data_ptr() == shared.data_ptr() and out.stride() == shared.stride())
+    for name, t in (("shared", shared), *zip(("routed_latent", "norm_w", "up_w"), others)):
+        if name == "shared" and same_view:
+            continue
+        if out.numel() and t.numel() and _overlaps(out, t):
+            raise ValueError(f"out overlaps {name}: pass shared itself (in place) or a "
+                             "tensor that shares no memory with the inputs")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share an element: exact for row views of one row stride
+    (column shards of one ``[T, H]`` buffer), else whether their byte spans meet."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    size = a.element_size()
+    if (a.dim() == b.dim() == 2 and a.element_size() == b.element_size()
+            and a.stride(1) == b.stride(1) == 1 and a.stride(0) == b.stride(0) > 0
+            and max(a.shape[1], b.shape[1]) <= a.stride(0)
+            and (a.data_ptr() - b.data_ptr()) % size == 0):
+        rows, d = a.stride(0), (b.data_ptr() - a.data_ptr()) // size
+        wa, wb = a.shape[1], b.shape[1]
+        # Row i of a meets row j of b iff d - wa < (i - j) * rows < d + wb.
+        k = (d - wa) // rows + 1
+        while k * rows < d + wb:
+            if -(b.shape[0] - 1) <= k <= a.shape[0] - 1:
+                return True
+            k += 1
+        return False
+
+    def span(t):
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * size
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 # ---------------------------------------------------------------------- launch
 
 
@@ -493,9 +545,13 @@ def latent_moe_tail_fused(
     m_first: bool | None = None,
     pdl: bool | None = None,
     normed_rows: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
-    launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype.
+    launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype, or ``out``
+    (``[T, H]``, ``up_w``'s dtype, any row stride, last dim contiguous) written in place:
+    ``out`` may be ``shared`` itself (each element is read before the same program writes
+    it), or must share no memory with any input.
 
     Inputs as :func:`check_fused_tail_args` says (validated before launch; never
     modified). Launch options of 0 (``swap_ab``, ``gemv``: None) take
@@ -515,10 +571,13 @@ def latent_moe_tail_fused(
                           max_tokens=None if block_m else MAX_TOKENS)
     tokens, latent = routed_latent.shape
     hidden = up_w.shape[0]
+    if out is not None:
+        _check_out(out, shared, (routed_latent, norm_w, up_w), up_w.dtype)
     cfg = resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
                           block_k, num_warps, num_stages, split_k, norm_block_k,
                           swap_ab, gemv, prenorm, block_m, m_first, pdl, normed_rows)
-    out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
+    if out is None:
+        out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
         return out
     interpreted = routed_latent.device.type == "cpu"

@@ -197,7 +197,8 @@ def test_sweep_stops_at_a_failed_equivalence():
 
 
 @pytest.mark.parametrize("argv", [["--layers", "0"], ["--seeds", "0"], ["--tokens", "0"],
-                                  ["--tokens", "--prefill"]])
+                                  ["--tokens", "--prefill"], ["--fake-tp"],
+                                  ["--fake-tp", "--rank-of", "1"]])
 def test_cli_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit) as e:
         decoder._parse(argv)
@@ -299,3 +300,51 @@ def test_profile_bookkeeping_and_amdahl_bound_on_cpu():
     assert decoder.OWN_KERNELS.match("_moe_tail_kernel") and \
         not decoder.OWN_KERNELS.match("triton_red_fused_mean_0")
     assert decoder._parse(["--profile"]).profile
+
+
+_FAKE_TP_SCRIPT = """
+import json, time, torch, k3fusion
+from k3fusion.bench import decoder
+from k3fusion.moe_tail import tiers
+
+def timer(fn, arg_sets, calls_per_graph):
+    start = time.perf_counter()
+    for args in arg_sets:
+        fn(*args)
+    return (time.perf_counter() - start) / len(arg_sets) * 1e6
+
+try:
+    decoder.run(tokens=[2], prefill=[], seeds=1, rank_of=1, fake_tp=True, device="cpu")
+except ValueError as e:
+    refused = str(e)
+cfg = decoder.stack_config(1, width="tiny")
+tiers.reset_tier_counts()
+r = decoder.run(tokens=[2], prefill=[], seeds=1, config=cfg, device="cpu", rank_of=2,
+                fake_tp=True, backends={"inductor": lambda gm, ex: gm.forward,
+                                        "k3fusion": "k3fusion"},
+                timer=timer, progress=False)
+print(json.dumps(dict(ok=r["ok"], equivalence=r["equivalence"], fake_tp=r["fake_tp"],
+                      matches=r["rows"][0]["k3fusion_matches"], sites=r["sites"],
+                      tiers=tiers.tier_counts(), md=decoder.markdown(r), refused=refused,
+                      heads=r["config"]["heads"], note=r["rank_note"])))
+"""
+
+
+@pytest.mark.slow
+def test_fake_tp_times_the_tail_tier_of_that_tp_and_skips_the_equivalence_check():
+    """``--fake-tp``: the latent MoE built with a fake group of ``rank_of`` ranks (in a
+    process of its own: the group is process-wide), so the compiled k3fusion step runs
+    the column-parallel tier, every site fused, and the output is not checked."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FAKE_TP_SCRIPT], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "fake_tp needs rank_of >= 2" in r["refused"]
+    assert r["ok"] and r["fake_tp"] and r["equivalence"] == []
+    assert {k: r["matches"].get(k, 0) for k in r["sites"]} == r["sites"]
+    assert r["tiers"].get("column_parallel", 0) > 0 and set(r["tiers"]) == {"column_parallel"}
+    assert r["heads"] == decoder.stack_config(1, width="tiny").num_heads // 2
+    assert "Equivalence: not checked" in r["md"] and "fake group of 2 ranks" in r["note"]

@@ -323,6 +323,49 @@ def test_split_k_is_deterministic_and_leaves_counters_at_zero(gemv, monkeypatch)
     assert len(locks) == 2 and all(int(b.abs().sum()) == 0 for b in locks)
 
 
+@pytest.mark.parametrize("opts", [{}, {"gemv": True, "split_k": 3, "block_n": 16},
+                                  {"split_k": 2, "block_n": 16, "block_k": 16}])
+def test_out_in_place_on_a_column_shard_of_shared(opts):
+    """``out=shared`` with shared a column shard of a wider row (the column-parallel tier's
+    call): the shard gets the tail, bit for bit the allocating call's; the other columns
+    are untouched."""
+    g = torch.Generator().manual_seed(4)
+    tokens, latent, hidden, lo, width = 5, 40, 96, 32, 24
+    x = torch.randn(tokens, latent, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (1 + 0.3 * torch.randn(latent, generator=g)).to(torch.bfloat16).to(DEVICE)
+    up = (torch.randn(width, latent, generator=g) / latent**0.5).to(torch.bfloat16).to(DEVICE)
+    wide = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(DEVICE)
+    before = wide.clone()
+    shard = wide[:, lo:lo + width]
+    want = launch(x, shard, w, 1e-6, up, **opts)
+    got = launch(x, shard, w, 1e-6, up, out=shard, **opts)
+    assert got.data_ptr() == shard.data_ptr()
+    assert torch.equal(wide[:, lo:lo + width], want)
+    assert torch.equal(wide[:, :lo], before[:, :lo])
+    assert torch.equal(wide[:, lo + width:], before[:, lo + width:])
+    into = torch.empty(tokens, 2 * width, dtype=torch.bfloat16, device=DEVICE)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        launch(x, before[:, lo:lo + width], w, 1e-6, up, out=into)
+
+
+def test_out_errors_name_the_argument():
+    x, s, w, up = make_inputs(Case(3, 40, 24, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0,
+                                   False), 0)
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        launch(x, s, w, 1e-6, up, out=[0])
+    with pytest.raises(ValueError, match="out has shape"):
+        launch(x, s, w, 1e-6, up, out=s[:, :8])
+    with pytest.raises(ValueError, match="out has dtype"):
+        launch(x, s, w, 1e-6, up, out=s.float())
+    wide = torch.zeros(3, 48, dtype=s.dtype, device=s.device)
+    shared = wide[:, :24]
+    with pytest.raises(ValueError, match="out overlaps shared"):
+        launch(x, shared, w, 1e-6, up, out=wide[:, 8:32])  # overlaps, not shared itself
+    with pytest.raises(ValueError, match="out overlaps up_w"):
+        launch(x, s, w, 1e-6, up, out=up[:3, :24])
+    launch(x, shared, w, 1e-6, up, out=wide[:, 24:])  # disjoint: fine
+
+
 def test_launch_config_heuristic():
     cfg = kernel_mod.pick_launch_config(4, 7168, 3584, torch.bfloat16, 132)
     assert (cfg.block_n, cfg.split_k) == (64, 1)  # the H200 sweep's best: 112 column tiles
@@ -577,6 +620,29 @@ def test_cuda_k3_sizes(tokens):
     y = launch(x, s, w, 1e-6, up)
     ref, bound = tail_tolerance(x, s, w, 1e-6, up, False, truncating=False)
     assert_within(y, ref, bound, f"T={tokens}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 4, 16, 32])
+def test_cuda_column_parallel_shard_in_one_launch(tokens, monkeypatch):
+    """The column-parallel tier at tp = 8, rank 3 (collectives stubbed: one GPU): its 896
+    columns from one fused launch, in place, within the tail's bound, the other columns
+    shared's; the unfused shard (norm + addmm_) within the same bound."""
+    monkeypatch.setattr(moe_tail.tiers, "tp_size_and_rank", lambda group: (8, 3))
+    monkeypatch.setattr(moe_tail.tiers, "_all_reduce_owned", lambda t, group: t)
+    monkeypatch.setattr(reference, "all_reduce", lambda t, group=None: t)
+    x, s, w, up = _k3_inputs(tokens)
+    cols = slice(3 * 896, 4 * 896)
+    ref, bound = tail_tolerance(x, s[:, cols], w, 1e-6, up[cols], False, truncating=False)
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(moe_tail.tiers, "COLUMN_FUSED_MAX_TOKENS", 0)
+        with spy_on_launcher("latent_moe_tail_fused", "out") as calls:
+            y = moe_tail.tiers._column_parallel(x, s, w, 1e-6, up, object(), False, None, False)
+        assert len(calls) == int(fused) and all(c is not None for c in calls)
+        assert_within(y[:, cols], ref, bound, f"T={tokens} fused={fused}")
+        assert torch.equal(y[:, :cols.start], s[:, :cols.start])
+        assert torch.equal(y[:, cols.stop:], s[:, cols.stop:])
 
 
 @pytest.mark.cuda

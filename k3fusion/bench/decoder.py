@@ -1,14 +1,14 @@
 """End-to-end benchmark: a stack of Kimi-K3-width decoder layers (needs CUDA).
 
 ``python -m k3fusion.bench.decoder [--out DIR] [--layers N] [--tokens T ...] [--prefill T ...]
-[--seeds N] [--static] [--quick] [--rank-of N] [--profile]``
+[--seeds N] [--static] [--quick] [--rank-of N [--fake-tp]] [--profile]``
 
 Times :class:`k3fusion.models.KimiK3Model` (the K3 preset cut to one GPU, bf16) at decode
 steps and prefill chunks under CUDA-graph replay: eager, default ``torch.compile`` and
 ``torch.compile(backend="k3fusion")``, with each shape's compile time and match counts.
 Each shape is first checked against an fp64 run (the suite's model-level bf16 rule); a miss
 stops the sweep and exits 1. ``--rank-of N``: the step of one rank of N-way tensor
-parallel; ``--profile``: a kernel-time profile and the Amdahl bound it implies. Writes
+parallel (``--fake-tp``: with the tail's tier at tp = N, collectives moving nothing); ``--profile``: a kernel-time profile and the Amdahl bound it implies. Writes
 ``decoder.json``, ``decoder.md`` and ``decoder.png`` to ``--out``.
 
 How it measures (the stack's widths, the steps, the compiles, the equivalence rule, each
@@ -99,11 +99,13 @@ def stack_config(layers: int = LAYERS, width: str = "k3", rank_of: int = 1, **ov
     return rank_view(preset(**fields), rank_of)
 
 
-def rank_view(config, n: int):
+def rank_view(config, n: int, experts: bool = True):
     """``config`` as one rank of an ``n``-way tensor-parallel deployment computes it:
     ``num_heads / n`` and ``moe_intermediate_size / n`` (routed and shared experts: the
     model's TP shards), everything else (hidden width, MLA a-projections, router, latent
-    projections, expert count) as is. ValueError unless ``n`` divides both."""
+    projections, expert count) as is. ``experts=False`` leaves the expert width whole (a
+    model built with a tensor-parallel group shards it itself). ValueError unless ``n``
+    divides both."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"rank_of must be an int >= 1, got {n!r}")
     if n == 1:
@@ -111,13 +113,32 @@ def rank_view(config, n: int):
     for name in ("num_heads", "moe_intermediate_size"):
         if getattr(config, name) % n:
             raise ValueError(f"rank_of={n} does not divide {name}={getattr(config, name)}")
+    if not experts:
+        return config.replace(num_heads=config.num_heads // n)
     return config.replace(num_heads=config.num_heads // n,
                           moe_intermediate_size=config.moe_intermediate_size // n)
 
 
-def build_model(config, seed: int, device: torch.device | str):
-    """``KimiK3ForCausalLM(config)`` initialized on ``device`` from ``seed`` (the global RNG
-    of that device, forked: the caller's RNG state is left as it was), in eval mode."""
+def fake_tp_group(n: int):
+    """A process group of ``n`` ranks in this one process, this process rank 0 (torch's
+    fake backend: every collective returns at once and moves nothing). Started once;
+    RuntimeError if another default group is running."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    backend, world = dist.get_backend(), dist.get_world_size()
+    if backend != "fake" or world != n:
+        raise RuntimeError(f"--fake-tp {n} needs a fake process group of {n} ranks; this "
+                           f"process runs a {backend!r} group of {world}")
+    return dist.group.WORLD
+
+
+def build_model(config, seed: int, device: torch.device | str, tp_group=None):
+    """``KimiK3ForCausalLM(config, tp_group=tp_group)`` initialized on ``device`` from
+    ``seed`` (the global RNG of that device, forked: the caller's RNG state is left as it
+    was), in eval mode."""
     device = torch.device(device)
     if device.type == "cuda":
         devices = [torch.cuda.current_device() if device.index is None else device.index]
@@ -125,7 +146,7 @@ def build_model(config, seed: int, device: torch.device | str):
         devices = []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
-        return KimiK3ForCausalLM(config).eval()
+        return KimiK3ForCausalLM(config, tp_group=tp_group).eval()
 
 
 def weight_bytes(config) -> int:
@@ -371,7 +392,7 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
         device: str | torch.device = "cuda", backends: dict[str, str] | None = None,
         timer: Callable | None = None, profiler: Callable | None = None,
         progress: bool = True, reduce_overhead: bool = False,
-        loop_timer: Callable | None = None) -> dict:
+        loop_timer: Callable | None = None, fake_tp: bool = False) -> dict:
     """The sweep; returns the result (``result["ok"]`` False, and ``result["failure"]``,
     when an equivalence check failed: the sweep stops there).
 
@@ -384,10 +405,18 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
     ``reduce_overhead``: each backend also compiled with ``mode="reduce-overhead"`` (name +
     :data:`REDUCE_OVERHEAD`), timed per call from Python (``loop_timer``, default
     :func:`call_loop_us`: its own CUDA graphs cannot be captured in another).
+    ``fake_tp``: with ``rank_of`` > 1, the latent MoE built with a fake group of that many
+    ranks (:func:`fake_tp_group`), so k3fusion's tail runs the tier it picks at that tp
+    (the column-parallel one: ``H / rank_of`` columns per rank) while default compile runs
+    the model's code (the whole up-projection). The collectives move nothing, so outputs
+    are not those of a deployment: the equivalence check is skipped (the same run without
+    ``fake_tp`` makes it).
     """
     device = torch.device(device)
+    if fake_tp and rank_of < 2:
+        raise ValueError(f"fake_tp needs rank_of >= 2, got rank_of={rank_of}")
     config = stack_config(layers) if config is None else config
-    config = rank_view(config, rank_of)
+    config = rank_view(config, rank_of, experts=not fake_tp)
     backends = dict(BACKENDS if backends is None else backends)
     modes = {name: None for name in backends}
     if reduce_overhead:
@@ -403,7 +432,7 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
     shapes = [("decode", t) for t in tokens] + [("prefill", t) for t in prefill]
     seed_list = list(range(seeds))
     t0 = time.perf_counter()
-    model = build_model(config, 0, device)
+    model = build_model(config, 0, device, fake_tp_group(rank_of) if fake_tp else None)
     stack = model.model
     sites = expected_sites(model)
     result = {
@@ -423,7 +452,15 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
                       "routed and shared experts' intermediate width divided by "
                       f"{rank_of}; MLA a-projections, router and latent down/up projections "
                       "replicated; collectives (attention output all-reduce, MoE tail "
-                      "all-reduces) not run and not timed on one GPU"),
+                      "all-reduces) not run and not timed on one GPU"
+                      + ("" if not fake_tp else
+                         f". The latent MoE is built with a fake group of {rank_of} ranks "
+                         "(collectives return at once, moving nothing): default compile runs "
+                         "the model's tail (the whole up-projection per rank), k3fusion the "
+                         f"tier it picks at tp = {rank_of} (each rank up-projects "
+                         f"H / {rank_of} columns). Outputs are not a deployment's, so no "
+                         "equivalence check (the run without --fake-tp makes it)")),
+        "fake_tp": fake_tp,
         "weights_gb": weight_bytes(config) / 1e9,
         "sites": sites,
         "compile_shapes": "static" if static else "auto",
@@ -471,7 +508,8 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
                     row[f"{name}_matches"] = k3fusion.match_counts() if did_compile else None
                 bar.advance()
             bar.show(f"{where}: equivalence, {len(seed_list)} seeds")
-            records = check_equivalence(model, compiled, step, t, seed_list)
+            # A fake group's all-reduces move nothing: no output to check (run_docstring).
+            records = [] if fake_tp else check_equivalence(model, compiled, step, t, seed_list)
             result["equivalence"] += records
             bar.advance()
             failures = equivalence_failures(records)
@@ -567,32 +605,36 @@ def markdown(result: dict) -> str:
                          f"| {_fmt(r.get(f'{ro_k3}_us'))} "
                          f"| {_fmt(sp, '.3f')}{'x' * (sp is not None)} "
                          f"| {_matches(r, result['sites'], ro_k3)} |")
-    lines += [
-        "",
-        f"Equivalence before timing, {len(result['seeds'])} seeds (weights and input drawn "
-        f"per seed): error against an fp64 copy of the same weights; bound: "
-        f"{result['bound']}. Each column: the worst seed.",
-        "",
-        "| step | T | eager max err | k3fusion max err (x eager) | k3fusion mean err "
-        "(x eager) | default max err (x eager) | k3fusion max diff vs eager (of max abs eager) "
-        "| ok |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    by_shape: dict[tuple, list] = {}
-    for rec in result["equivalence"]:
-        by_shape.setdefault((rec["step"], rec["T"]), []).append(rec)
-    for (step, t), recs in by_shape.items():
-        def worst(key):
-            vals = [r[key] for r in recs if key in r]
-            return max(vals) if vals else None
+    if result.get("fake_tp"):
+        lines += ["", "Equivalence: not checked (a fake process group's all-reduces move "
+                  "nothing; the same command without --fake-tp checks it)."]
+    else:
+        lines += [
+            "",
+            f"Equivalence before timing, {len(result['seeds'])} seeds (weights and input drawn "
+            f"per seed): error against an fp64 copy of the same weights; bound: "
+            f"{result['bound']}. Each column: the worst seed.",
+            "",
+            "| step | T | eager max err | k3fusion max err (x eager) | k3fusion mean err "
+            "(x eager) | default max err (x eager) | k3fusion max diff vs eager (of max abs eager) "
+            "| ok |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        by_shape: dict[tuple, list] = {}
+        for rec in result["equivalence"]:
+            by_shape.setdefault((rec["step"], rec["T"]), []).append(rec)
+        for (step, t), recs in by_shape.items():
+            def worst(key):
+                vals = [r[key] for r in recs if key in r]
+                return max(vals) if vals else None
 
-        lines.append(
-            f"| {step} | {t} | {_fmt(worst('eager_max_err'), '.3g')} "
-            f"| {_fmt(worst('k3fusion_max_err'), '.3g')} ({_fmt(worst('k3fusion_max_ratio'), '.2f')}) "
-            f"| {_fmt(worst('k3fusion_mean_err'), '.3g')} ({_fmt(worst('k3fusion_mean_ratio'), '.2f')}) "
-            f"| {_fmt(worst('inductor_max_err'), '.3g')} ({_fmt(worst('inductor_max_ratio'), '.2f')}) "
-            f"| {_fmt(worst('k3fusion_rel_diff_vs_eager'), '.2e')} "
-            f"| {'yes' if all(r['ok'] for r in recs) else '**NO**'} |")
+            lines.append(
+                f"| {step} | {t} | {_fmt(worst('eager_max_err'), '.3g')} "
+                f"| {_fmt(worst('k3fusion_max_err'), '.3g')} ({_fmt(worst('k3fusion_max_ratio'), '.2f')}) "
+                f"| {_fmt(worst('k3fusion_mean_err'), '.3g')} ({_fmt(worst('k3fusion_mean_ratio'), '.2f')}) "
+                f"| {_fmt(worst('inductor_max_err'), '.3g')} ({_fmt(worst('inductor_max_ratio'), '.2f')}) "
+                f"| {_fmt(worst('k3fusion_rel_diff_vs_eager'), '.2e')} "
+                f"| {'yes' if all(r['ok'] for r in recs) else '**NO**'} |")
     prof = [r for r in result["rows"] if "amdahl_bound" in r]
     if prof:
         lines += [
@@ -684,6 +726,10 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--rank-of", type=int, default=1, metavar="N",
                    help="time the step one rank of an N-way tensor-parallel deployment "
                         "computes (heads and expert widths / N; collectives not timed)")
+    p.add_argument("--fake-tp", action="store_true",
+                   help="with --rank-of N: build the latent MoE with a fake group of N ranks, so "
+                        "k3fusion's tail runs the tier it picks at tp = N (collectives move "
+                        "nothing: no equivalence check)")
     p.add_argument("--profile", action="store_true",
                    help="also a kernel-time profile of each compiled variant per decode shape "
                         "and its Amdahl bound")
@@ -704,6 +750,8 @@ def _parse(argv) -> argparse.Namespace:
         rank_view(stack_config(1), args.rank_of)
     except ValueError as e:
         p.error(f"--rank-of: {e}")
+    if args.fake_tp and args.rank_of < 2:
+        p.error("--fake-tp needs --rank-of N with N >= 2")
     if any(t < 1 for t in [*args.tokens, *args.prefill]):
         p.error("token counts must be >= 1")
     if not args.tokens and not args.prefill:
@@ -718,7 +766,7 @@ def main(argv=None) -> int:
 
     result = run(args.layers, args.tokens, args.prefill, args.seeds, args.static,
                  rank_of=args.rank_of, profile=args.profile,
-                 reduce_overhead=args.reduce_overhead)
+                 reduce_overhead=args.reduce_overhead, fake_tp=args.fake_tp)
     write_results(args.out, "decoder", result, markdown(result), plot)
     if not result["ok"]:
         print("\nFAILED: k3fusion-compiled output is out of the bf16 bound against eager:\n  "

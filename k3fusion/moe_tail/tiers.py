@@ -370,16 +370,62 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtyp
 def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
                      donate_shared):
     tp, rank = tp_size_and_rank(group)
-    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
     hidden = shared.shape[-1]
     shard = hidden // tp
     start = rank * shard
     # The caller's partial is written only when donated; otherwise a private copy is.
     out = shared if donate_shared else shared.clone(memory_format=torch.contiguous_format)
-    # Beta-add epilogue: out[:, cols] = out[:, cols] + h @ up_w[cols].T (this rank's shard).
-    out.narrow(-1, start, shard).addmm_(h, up_w.narrow(0, start, shard).t())
+    cols = out.narrow(-1, start, shard)
+    up_shard = up_w.narrow(0, start, shard)
+    if _fused_shard(routed, up_w, tp):
+        # One launch for norm, GEMM and add on this rank's columns, in place on the copy
+        # (the same function as below; the kernel's split-K fills the SMs a shard leaves).
+        x = reference.all_reduce(routed, group)
+        kernels.moe_tail.latent_moe_tail_fused(x, cols, norm_w, eps, up_shard, out=cols,
+                                               weight_in_fp32=weight_in_fp32,
+                                               norm_dtype=norm_dtype)
+    else:
+        h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
+        # Beta-add epilogue: out[:, cols] = out[:, cols] + h @ up_w[cols].T.
+        cols.addmm_(h, up_shard.t())
     # One all-reduce sums the ranks' partials and stitches the column shards.
-    return reference.all_reduce(out, group)
+    return _all_reduce_owned(out, group)
+
+
+#: Up to this many tokens the column-parallel tier runs its shard as one fused launch
+#: (docs/experiments.md, "2026-12-04: the column-parallel tail in one launch").
+COLUMN_FUSED_MAX_TOKENS = 32
+
+
+#: The shard kernel on CPU through Triton's interpreter (tests only: the interpreter
+#: truncates its bf16 casts, so a model run on it drifts further than on a GPU).
+SHARD_KERNEL_ON_CPU = False
+
+
+def _fused_shard(routed, up_w, tp: int) -> bool:
+    """Whether the column-parallel tier runs its shard with the fused kernel: eager calls
+    (a trace keeps the reference's ops) of 1..COLUMN_FUSED_MAX_TOKENS tokens at tp > 1 on
+    an NVIDIA GPU, with 16-bit weights."""
+    tokens = routed.shape[0]
+    if routed.is_cuda:
+        here = torch.version.hip is None
+    else:
+        here = (SHARD_KERNEL_ON_CPU and routed.device.type == "cpu"
+                and kernels.moe_tail.kernels_are_interpreted())
+    return (here and tp > 1 and 0 < tokens <= COLUMN_FUSED_MAX_TOKENS
+            and up_w.dtype in (torch.bfloat16, torch.float16)
+            and not torch.compiler.is_compiling() and get_config().moe_tail)
+
+
+def _all_reduce_owned(out: torch.Tensor, group) -> torch.Tensor:
+    """The all-reduce of a buffer this tier owns: in place in eager calls (no copy for the
+    functional collective to make), functional in a trace."""
+    if group is None or torch.compiler.is_compiling():
+        return reference.all_reduce(out, group)
+    import torch.distributed as dist
+
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def _tail_fusion(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
