@@ -26,7 +26,7 @@ import triton.language as tl
 from ._launch import cdiv, check_launchable, dependent_start, on_tensor_device, pdl_launch
 from .rms_norm import rms_norm_rows
 
-__all__ = ["dual_rms_norm", "pick_launch_shape", "LaunchShape"]
+__all__ = ["dual_rms_norm", "pick_launch_shape", "LaunchShape", "DECODE_MAX_ROWS"]
 
 
 @triton.jit
@@ -87,17 +87,27 @@ class LaunchShape:
     num_warps: int
 
 
+#: Up to this many rows each program takes one row of either norm, with at least 4 warps:
+#: at decode sizes the pair is latency-bound (docs/experiments.md, "2026-12-04: the q/kv
+#: pair's decode launch shape").
+DECODE_MAX_ROWS = 128
+
+
 def pick_launch_shape(n_rows: int, block1: int, block2: int, rows_per_program: int = 0,
                       num_warps: int = 0) -> LaunchShape:
     """Tile sizes for ``n_rows`` rows (the larger of the two norms' row counts).
 
-    One row of the wider norm per program, and as many rows of the narrower one as
-    make a tile of the same size; ``rows_per_program`` scales both (tests, tuning).
-    About 8 elements per thread keeps loads 16 bytes wide without spilling.
+    Up to :data:`DECODE_MAX_ROWS` rows (nothing asked for): one row of either norm per
+    program, ``max(4, wide / 1024)`` warps. Above: one row of the wider norm per program,
+    and as many rows of the narrower one as make a tile of the same size;
+    ``rows_per_program`` scales both (tests, tuning). About 8 elements per thread keeps
+    loads 16 bytes wide without spilling.
     Measured: docs/benchmarks.md, "MLA q/kv RMSNorm pair (`qkv_rmsnorm`)".
     """
-    rows_big = rows_per_program or 1
     wide, narrow = max(block1, block2), min(block1, block2)
+    if not rows_per_program and not num_warps and n_rows <= DECODE_MAX_ROWS:
+        return LaunchShape(1, 1, max(4, min(16, wide // 1024)))
+    rows_big = rows_per_program or 1
     rows_small = rows_big * max(1, min(wide // narrow, 16))
     if n_rows <= 1:
         rows_small = rows_big  # a single row: nothing to group

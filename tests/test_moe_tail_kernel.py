@@ -634,6 +634,7 @@ def test_cuda_column_parallel_shard_in_one_launch(tokens, monkeypatch):
     x, s, w, up = _k3_inputs(tokens)
     cols = slice(3 * 896, 4 * 896)
     ref, bound = tail_tolerance(x, s[:, cols], w, 1e-6, up[cols], False, truncating=False)
+    monkeypatch.setattr(moe_tail.tiers, "COLUMN_FUSED_MAX_TOKENS", 32)  # every T here
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(moe_tail.tiers, "COLUMN_FUSED_MAX_TOKENS", 0)

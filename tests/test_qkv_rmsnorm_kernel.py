@@ -195,6 +195,21 @@ def test_cast_then_weight_rounds_before_weighting() -> None:
         assert_on_input_grid(unrounded, w, torch.bfloat16)
 
 
+def test_launch_shape_one_row_per_program_at_decode_sizes() -> None:
+    """Up to DECODE_MAX_ROWS rows: one row of either norm per program, >= 4 warps (the
+    H200's fastest at T 1-128 against vLLM's one-row programs); above, the narrow norm's
+    rows grouped into tiles of the wide row's size; an explicit shape wins."""
+    from k3fusion.kernels.qkv_rmsnorm import DECODE_MAX_ROWS, LaunchShape, pick_launch_shape
+
+    for t in (1, 2, 8, DECODE_MAX_ROWS):
+        assert pick_launch_shape(t, 2048, 512) == LaunchShape(1, 1, 4)
+    assert pick_launch_shape(4, 8192, 512) == LaunchShape(1, 1, 8)
+    assert pick_launch_shape(DECODE_MAX_ROWS + 1, 2048, 512) == LaunchShape(1, 4, 2)
+    assert pick_launch_shape(DECODE_MAX_ROWS + 1, 512, 2048) == LaunchShape(4, 1, 2)
+    assert pick_launch_shape(8, 2048, 512, rows_per_program=1) == LaunchShape(1, 4, 2)
+    assert pick_launch_shape(8, 2048, 512, num_warps=8) == LaunchShape(1, 4, 8)
+
+
 def test_rows_per_program_auto_and_larger_than_rows() -> None:
     """rows_per_program 0 (pick by size) and a block larger than T (masked rows)."""
     m1 = Member(3, 20, 4, 0, torch.float32, False, False, 1e-5, 0, False)

@@ -394,7 +394,7 @@ def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, n
 
 #: Up to this many tokens the column-parallel tier runs its shard as one fused launch
 #: (docs/experiments.md, "2026-12-04: the column-parallel tail in one launch").
-COLUMN_FUSED_MAX_TOKENS = 32
+COLUMN_FUSED_MAX_TOKENS = 1
 
 
 #: The shard kernel on CPU through Triton's interpreter (tests only: the interpreter
