@@ -513,7 +513,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     def span(t):
         last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * size
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1

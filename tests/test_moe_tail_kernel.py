@@ -348,6 +348,35 @@ def test_out_in_place_on_a_column_shard_of_shared(opts):
         launch(x, before[:, lo:lo + width], w, 1e-6, up, out=into)
 
 
+def test_overlap_check_is_exact_for_row_views_of_one_stride():
+    """``out=``'s overlap check against brute force: row views of one buffer with one row
+    stride (column shards, row ranges) share an element exactly when it says so; other
+    layouts fall back to whether their byte spans meet, whatever the element sizes."""
+    import random
+
+    from k3fusion.kernels.moe_tail import _overlaps
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        rows, tokens = rng.randint(1, 12), rng.randint(1, 5)
+        buf = torch.zeros(tokens * rows + 20)
+
+        def view():
+            return buf.as_strided((rng.randint(1, tokens), rng.randint(1, rows)), (rows, 1),
+                                  rng.randint(0, 15))
+
+        def elements(v):
+            o = v.storage_offset()
+            return {o + i * rows + j for i in range(v.shape[0]) for j in range(v.shape[1])}
+
+        a, b = view(), view()
+        assert _overlaps(a, b) == bool(elements(a) & elements(b))
+    assert not _overlaps(torch.zeros(4), torch.zeros(4))  # another storage
+    wide = torch.zeros(8, dtype=torch.float32)
+    assert _overlaps(wide[2:4], wide.view(torch.bfloat16)[6:8])  # float 3 = bf16 6..7
+    assert not _overlaps(wide[:2], wide.view(torch.bfloat16)[4:6])
+
+
 def test_out_errors_name_the_argument():
     x, s, w, up = make_inputs(Case(3, 40, 24, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0,
                                    False), 0)

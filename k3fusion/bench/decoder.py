@@ -8,7 +8,8 @@ steps and prefill chunks under CUDA-graph replay: eager, default ``torch.compile
 ``torch.compile(backend="k3fusion")``, with each shape's compile time and match counts.
 Each shape is first checked against an fp64 run (the suite's model-level bf16 rule); a miss
 stops the sweep and exits 1. ``--rank-of N``: the step of one rank of N-way tensor
-parallel (``--fake-tp``: with the tail's tier at tp = N, collectives moving nothing); ``--profile``: a kernel-time profile and the Amdahl bound it implies. Writes
+parallel (``--fake-tp``: with the tail's tier at tp = N, collectives moving nothing);
+``--profile``: a kernel-time profile and the Amdahl bound it implies. Writes
 ``decoder.json``, ``decoder.md`` and ``decoder.png`` to ``--out``.
 
 How it measures (the stack's widths, the steps, the compiles, the equivalence rule, each
@@ -508,7 +509,7 @@ def run(layers: int = LAYERS, tokens: Sequence[int] = DECODE_TOKENS,
                     row[f"{name}_matches"] = k3fusion.match_counts() if did_compile else None
                 bar.advance()
             bar.show(f"{where}: equivalence, {len(seed_list)} seeds")
-            # A fake group's all-reduces move nothing: no output to check (run_docstring).
+            # A fake group's all-reduces move nothing: no output to check (see the docstring).
             records = [] if fake_tp else check_equivalence(model, compiled, step, t, seed_list)
             result["equivalence"] += records
             bar.advance()
