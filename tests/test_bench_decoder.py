@@ -303,9 +303,8 @@ def test_profile_bookkeeping_and_amdahl_bound_on_cpu():
 
 
 _FAKE_TP_SCRIPT = """
-import json, time, torch, k3fusion
+import json, time, torch
 from k3fusion.bench import decoder
-from k3fusion.moe_tail import tiers
 
 def timer(fn, arg_sets, calls_per_graph):
     start = time.perf_counter()
@@ -318,23 +317,30 @@ try:
 except ValueError as e:
     refused = str(e)
 cfg = decoder.stack_config(1, width="tiny")
-tiers.reset_tier_counts()
+passthrough = {name: (lambda gm, ex: gm.forward) for name in ("inductor", "k3fusion")}
 r = decoder.run(tokens=[2], prefill=[], seeds=1, config=cfg, device="cpu", rank_of=2,
-                fake_tp=True, backends={"inductor": lambda gm, ex: gm.forward,
-                                        "k3fusion": "k3fusion"},
-                timer=timer, progress=False)
+                fake_tp=True, backends=passthrough, timer=timer, progress=False)
+group = decoder.fake_tp_group(2)
+model = decoder.build_model(decoder.rank_view(cfg, 2, experts=False), 0, "cpu", group)
+mlp = model.model.layers[0].mlp
+try:
+    decoder.fake_tp_group(4)
+except RuntimeError as e:
+    other = str(e)
 print(json.dumps(dict(ok=r["ok"], equivalence=r["equivalence"], fake_tp=r["fake_tp"],
-                      matches=r["rows"][0]["k3fusion_matches"], sites=r["sites"],
-                      tiers=tiers.tier_counts(), md=decoder.markdown(r), refused=refused,
-                      heads=r["config"]["heads"], note=r["rank_note"])))
+                      md=decoder.markdown(r), refused=refused, heads=r["config"]["heads"],
+                      note=r["rank_note"], tp=mlp.tp_size, other=other,
+                      expert_rows=mlp.experts[0].gate_proj.weight.shape[0],
+                      width=cfg.moe_intermediate_size)))
 """
 
 
 @pytest.mark.slow
-def test_fake_tp_times_the_tail_tier_of_that_tp_and_skips_the_equivalence_check():
+def test_fake_tp_builds_the_moe_with_a_group_of_that_many_ranks_and_skips_the_check():
     """``--fake-tp``: the latent MoE built with a fake group of ``rank_of`` ranks (in a
-    process of its own: the group is process-wide), so the compiled k3fusion step runs
-    the column-parallel tier, every site fused, and the output is not checked."""
+    process of its own: the group is process-wide), so the model shards its experts
+    itself (and k3fusion's tail sees that tp: the tier tests cover what it runs); no
+    equivalence check, and the output says so."""
     import subprocess
     import sys
 
@@ -344,7 +350,7 @@ def test_fake_tp_times_the_tail_tier_of_that_tp_and_skips_the_equivalence_check(
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert "fake_tp needs rank_of >= 2" in r["refused"]
     assert r["ok"] and r["fake_tp"] and r["equivalence"] == []
-    assert {k: r["matches"].get(k, 0) for k in r["sites"]} == r["sites"]
-    assert r["tiers"].get("column_parallel", 0) > 0 and set(r["tiers"]) == {"column_parallel"}
+    assert r["tp"] == 2 and r["expert_rows"] == r["width"] // 2
     assert r["heads"] == decoder.stack_config(1, width="tiny").num_heads // 2
+    assert "needs a fake process group of 4 ranks" in r["other"]
     assert "Equivalence: not checked" in r["md"] and "fake group of 2 ranks" in r["note"]
