@@ -12,7 +12,7 @@ import triton.language as tl
 __all__ = ["cdiv", "interpreter_enabled", "kernels_are_interpreted", "check_launchable",
            "launch_scratch", "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait",
            "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start",
-           "DEFAULT_SMS", "num_sms"]
+           "DEFAULT_SMS", "num_sms", "byte_span", "spans_meet", "may_overlap"]
 
 try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -164,3 +164,33 @@ def launch_scratch(device: torch.device, size: int, dtype: torch.dtype) -> torch
     memset on the launch's stream (docs/design-notes.md, "Scratch memory").
     """
     return torch.zeros(max(size, 1), dtype=dtype, device=device)
+
+
+def byte_span(t: torch.Tensor, skip_dim: int | None = None, index: int = 0):
+    """``[first, last + 1)`` byte addresses of ``t``'s elements (of ``t.select(skip_dim,
+    index)`` when given, without making the view); None when there are none."""
+    shape, strides = list(t.shape), list(t.stride())
+    base, item = t.data_ptr(), t.element_size()
+    if skip_dim is not None:
+        base += index * strides[skip_dim] * item
+        del shape[skip_dim], strides[skip_dim]
+    lo = hi = 0
+    for n, st in zip(shape, strides):
+        if n == 0:
+            return None
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return base + lo * item, base + (hi + 1) * item
+
+
+def spans_meet(sa, sb) -> bool:
+    """Whether two :func:`byte_span` ranges share a byte."""
+    return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
+
+
+def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Conservative: False only if ``a`` and ``b`` share no byte (host-side, O(dims)).
+    The arguments are on one device (checked before)."""
+    return spans_meet(byte_span(a), byte_span(b))

@@ -28,7 +28,7 @@ from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
 from ._launch import (TL_DTYPES, DEFAULT_SMS, kernels_are_interpreted, cdiv, launch_scratch,
-                      gdc_launch_dependents, gdc_wait, interpreter_enabled, num_sms,
+                      gdc_launch_dependents, gdc_wait, interpreter_enabled, may_overlap, num_sms,
                       on_tensor_device, pdl_available)
 from .rms_norm import rms_norm
 
@@ -493,9 +493,7 @@ def _check_out(out, shared, others, dtype) -> None:
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` share an element: exact for row views of one row stride
-    (column shards of one ``[T, H]`` buffer), else whether their byte spans meet."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
+    (column shards of one ``[T, H]`` buffer), else :func:`may_overlap` (byte spans)."""
     size = a.element_size()
     if (a.dim() == b.dim() == 2 and a.element_size() == b.element_size()
             and a.stride(1) == b.stride(1) == 1 and a.stride(0) == b.stride(0) > 0
@@ -510,13 +508,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
                 return True
             k += 1
         return False
-
-    def span(t):
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+    return may_overlap(a, b)
 
 
 # ---------------------------------------------------------------------- launch

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from .. import kernels, reference
+from ..kernels._launch import byte_span, may_overlap, spans_meet
 from ._args import (check_eps, check_eps_tensor, eps_value, new_norm_output, as_rows,
                     runs_kernel, check_rms_norm_args)
 from ._backward import differentiate_by_reference
@@ -216,35 +217,6 @@ def _check_no_grad_writes(prefix, blocks, delta, block_write_idx) -> None:
                 "(or use k3fusion.reference.attn_res, which autograd can differentiate)")
 
 
-def _span(t: torch.Tensor, skip_dim: int | None = None, index: int = 0):
-    """``[first, last + 1)`` byte addresses of ``t``'s elements (of ``t.select(skip_dim,
-    index)`` when given, without making the view); None when there are none."""
-    shape, strides = list(t.shape), list(t.stride())
-    base, item = t.data_ptr(), t.element_size()
-    if skip_dim is not None:
-        base += index * strides[skip_dim] * item
-        del shape[skip_dim], strides[skip_dim]
-    lo = hi = 0
-    for n, st in zip(shape, strides):
-        if n == 0:
-            return None
-        if st < 0:
-            lo += (n - 1) * st
-        else:
-            hi += (n - 1) * st
-    return base + lo * item, base + (hi + 1) * item
-
-
-def _spans_meet(sa, sb) -> bool:
-    return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
-
-
-def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Conservative: False only if ``a`` and ``b`` share no byte (host-side, O(dims)).
-    The arguments are on one device (checked before)."""
-    return _spans_meet(_span(a), _span(b))
-
-
 def _no_internal_overlap(t: torch.Tensor) -> bool:
     """Sufficient: each stride (ascending) exceeds the extent of the smaller ones."""
     extent = 0
@@ -259,11 +231,12 @@ def _write_hazard(prefix, blocks, delta, block_write_idx) -> bool:
     """May a write of the fused launch (prefix with ``delta``, the block slot) land on
     memory the launch also reads (prefix, delta, the live sources)? The kernel reads
     and writes in one pass, so any shared byte could be read after it was written."""
-    if delta is not None and (_may_overlap(prefix, delta) or _may_overlap(prefix, blocks)):
+    if delta is not None and (may_overlap(prefix, delta) or may_overlap(prefix, blocks)):
         return True
     if block_write_idx >= 0:
-        slot = _span(blocks, blocks.dim() - 2, block_write_idx)
-        if _spans_meet(slot, _span(prefix)) or (delta is not None and _spans_meet(slot, _span(delta))):
+        slot = byte_span(blocks, blocks.dim() - 2, block_write_idx)
+        if spans_meet(slot, byte_span(prefix)) or (
+                delta is not None and spans_meet(slot, byte_span(delta))):
             return True
         if not _no_internal_overlap(blocks):  # the slot may share memory with a source
             return True
@@ -277,7 +250,7 @@ def _write_in_spec_order(prefix, prefix2, blocks, delta, block_write_idx) -> Non
         prefix2.copy_((prefix2.float() + as_rows(delta).float()).to(prefix2.dtype))
     if block_write_idx >= 0:
         slot = blocks[..., block_write_idx, :]
-        slot.copy_(prefix.clone() if _may_overlap(slot, prefix) else prefix)
+        slot.copy_(prefix.clone() if may_overlap(slot, prefix) else prefix)
 
 
 @attn_res_inplace_op.register_kernel(("cpu", "cuda"))
