@@ -56,6 +56,20 @@ def _store_out(acc, s_ptr, s_stride, y_ptr, y_stride, rows64, cols, mask):
              y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _copy_rest(sf_ptr, yf_ptr, s_stride, y_stride, pid_m, pid_r, T, COL0, H, H_FULL,
+               BLOCK_M: tl.constexpr, REST_BLOCK: tl.constexpr):
+    """``y[rows, c] = shared[rows, c]`` for this program's ``REST_BLOCK`` of the columns
+    outside ``[COL0, COL0 + H)``, numbered left to right."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
+    rest = pid_r * REST_BLOCK + tl.arange(0, REST_BLOCK)
+    cols = tl.where(rest < COL0, rest, rest + H)
+    mask = (rows < T)[:, None] & (rest < H_FULL - H)[None, :]
+    v = tl.load(sf_ptr + rows64[:, None] * s_stride + cols[None, :], mask=mask)
+    tl.store(yf_ptr + rows64[:, None] * y_stride + cols[None, :], v, mask=mask)
+
+
 # T: one binary for every T of a BLOCK_M (no separate T == 1 compile); SPLIT_STRIDE: a
 # tensor even when T * H == 1, so .to(int64) works.
 @triton.jit(do_not_specialize=["T", "SPLIT_STRIDE"])
@@ -65,6 +79,7 @@ def _moe_tail_kernel(
     up_ptr, up_stride,          # up-projection [H, L]
     s_ptr, s_stride,            # shared [T, H]
     y_ptr, y_stride,            # out [T, H]
+    sf_ptr, yf_ptr,             # COPY_REST: the [T, H_FULL] rows s_ptr / y_ptr start COL0 into
     ws_ptr,                     # split-K partials [SPLIT_K, T, H] fp32 (unused if SPLIT_K == 1)
     lock_ptr,                   # split-K arrival counters [>= m tiles * cdiv(H, BLOCK_N)] int32
     rinv_ptr,                   # INV_RMS_IN: every row's inverse RMS [T] fp32 (else unused)
@@ -72,6 +87,7 @@ def _moe_tail_kernel(
     eps,
     K_PER_SPLIT,                # columns of L per split (a multiple of BLOCK_K)
     SPLIT_STRIDE,               # T * H: one split's partials in the workspace
+    COL0, H_FULL,               # COPY_REST: this GEMM's columns start at COL0 of H_FULL
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -88,6 +104,8 @@ def _moe_tail_kernel(
     M_FIRST: tl.constexpr = False,     # grid (m tiles, SPLIT_K, n tiles): row tiles fastest
     PDL: tl.constexpr = False,         # launched as the prologue's programmatic dependent
     NORMED_IN: tl.constexpr = False,   # x_ptr holds the GEMM input h (a norm launch's output)
+    COPY_REST: tl.constexpr = False,   # extra programs copy shared's other H_FULL - H columns
+    REST_BLOCK: tl.constexpr = 16,     # columns a COPY_REST program copies
 ):
     if PDL:
         # Launched while the prologue launch still runs: wait for it (and, through it, for
@@ -103,6 +121,14 @@ def _moe_tail_kernel(
         pid_m = tl.program_id(2)
     pid_k = tl.program_id(1)
     n_tiles = tl.cdiv(H, BLOCK_N)
+    if COPY_REST:
+        # A column shard written into a fresh [T, H_FULL] buffer: the programs past the
+        # GEMM's tiles copy the columns outside it (no separate copy launch before this one).
+        if pid_n >= n_tiles:
+            if pid_k == 0:
+                _copy_rest(sf_ptr, yf_ptr, s_stride, y_stride, pid_m, pid_n - n_tiles, T,
+                           COL0, H, H_FULL, BLOCK_M, REST_BLOCK)
+            return
     tile_id = pid_m * n_tiles + pid_n  # this (row tile, column tile)'s split-K counter
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -288,6 +314,11 @@ def block_m_for(tokens: int, gemv: bool = False) -> int:
 #: Up to this many tokens the automatic choice takes the GEMV form (16-bit weights)
 #: (docs/experiments.md, "2026-11-29: the GEMV form for one token"; summary: "kernels/moe_tail.py").
 GEMV_MAX_TOKENS = 1
+#: Outputs at most this wide (a column-parallel shard: 7168 / 8 = 896 columns) take the GEMV
+#: form up to NARROW_GEMV_MAX_TOKENS tokens, in tiles of down to 8 columns
+#: (docs/experiments.md, "2026-12-04: the column-parallel shard's launch shapes").
+NARROW_HIDDEN = 1024
+NARROW_GEMV_MAX_TOKENS = 4
 #: The GEMV form's accumulator elements per program (``BLOCK_N * BLOCK_M * BLOCK_K``): 64
 #: fp32 registers per thread at 4 warps -- kept where ``block_k`` can still shrink (>= 16).
 _GEMV_ACC_ELEMENTS = 8192
@@ -306,7 +337,10 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
 
     GEMV form (T <= :data:`GEMV_MAX_TOKENS`, 16-bit weights): 32-column tiles, ``block_k``
     256 at T = 1 (halved per doubling of T, down to 16: an 8K-element accumulator up to
-    T = 16), 4 warps, 3 stages -- the fastest of eleven shapes at T = 1.
+    T = 16), 4 warps, 3 stages -- the fastest of eleven shapes at T = 1. Outputs of at most
+    :data:`NARROW_HIDDEN` columns (a tp = 8 shard) take it up to
+    :data:`NARROW_GEMV_MAX_TOKENS` tokens, in tiles halved down to 8 columns until about
+    3/4 of the SMs have one, 4 stages at T = 1 and 5 above.
 
     Dot form (``--sweep``): 64-column tiles (112 programs) without split-K, ``block_k`` 256,
     4 warps, 4 stages were fastest at T = 1, 8 and 16; ``norm_block_k`` 512 there (8K
@@ -314,37 +348,45 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     the ``swap_ab`` operand order (split-K forms were slower at every T).
     The numbers: docs/experiments.md, "kernels/moe_tail.py". Wider tiles mean fewer programs, each re-reading the token rows in its prologue
     once for more weight columns, and more weight bytes in flight per program. Below 64
-    tiles (small ``H``) split-K fills the SMs. fp32 weights: ``block_k`` 64 (their dot
-    runs on FMA units, not tensor cores), 3 stages. Up to :data:`PDL_MAX_BLOCK_M` token
-    rows (16-bit weights, no split-K): every row normalized by a norm launch and the tail
-    kernel, a GEMM + add on those rows, launched as its programmatic dependent
-    (``normed_rows``, ``pdl``), where :func:`pdl_available`.
+    tiles (small ``H``) split-K fills the SMs (at most 4 ways in the norm-launch form, 8
+    otherwise). fp32 weights: ``block_k`` 64 (their dot runs on FMA units, not tensor
+    cores), 3 stages. Up to :data:`PDL_MAX_BLOCK_M` token rows (16-bit weights): every row
+    normalized by a norm launch and the tail kernel, a GEMM + add on those rows, launched
+    as its programmatic dependent (``normed_rows``, ``pdl``), where :func:`pdl_available`.
     """
     two_byte = dtype in (torch.bfloat16, torch.float16)
+    narrow = hidden <= NARROW_HIDDEN
     if gemv is None:
-        gemv = two_byte and tokens <= GEMV_MAX_TOKENS
+        gemv = two_byte and tokens <= (NARROW_GEMV_MAX_TOKENS if narrow else GEMV_MAX_TOKENS)
     block_m = block_m_for(tokens, gemv)
     l_pow2 = max(16, triton.next_power_of_2(latent))
     norm_block_k = min(max(16, 8192 // block_m), l_pow2)  # 64 fp32 per thread
     if gemv:
         block_n = 32
+        # Narrow outputs: narrower tiles before split-K, so about every SM streams its own
+        # rows with no split-K workspace round trip.
+        while narrow and block_n > 8 and cdiv(hidden, block_n) < num_sms * 3 // 4:
+            block_n //= 2
         block_k = gemv_block_k(block_n, block_m, latent)
     else:
         block_n = 64
         block_k = min(256 if two_byte else 64, l_pow2)
     tiles = cdiv(hidden, block_n)
+    # The norm-launch form (below) for up to PDL_MAX_BLOCK_M 16-bit token rows.
+    normed = not gemv and two_byte and block_m <= PDL_MAX_BLOCK_M
     split_k = 1
     if tiles < 64:
-        split_k = max(1, min(8, cdiv(num_sms, tiles), cdiv(latent, block_k)))
+        split_k = max(1, min(4 if normed else 8, cdiv(num_sms, tiles), cdiv(latent, block_k)))
     # swap_ab: the weight tile as the dot's M side (docs/experiments.md), measured faster
     # at BLOCK_M = 16 and 32, and only for tiles whose pipeline fits (resolve_config).
     if gemv:
-        return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3,
+        stages = (4 if block_m == 1 else 5) if block_n < 32 else 3
+        return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages,
                             split_k=split_k, norm_block_k=norm_block_k, gemv=True)
     # The rows normalized by a norm launch, the tail kernel its programmatic dependent: the
     # second launch's start hides behind the first (resolve_config drops it where PDL is
     # absent).
-    pdl = two_byte and block_m <= PDL_MAX_BLOCK_M and split_k == 1
+    pdl = normed
     return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4,
                         num_stages=4 if two_byte else 3, split_k=split_k,
                         norm_block_k=norm_block_k,
@@ -380,7 +422,7 @@ def resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, 
                    m_first=None, pdl=None, normed_rows=None) -> LaunchConfig:
     """The launch config for these sizes: :func:`pick_launch_config`'s, with each nonzero
     (or non-None) argument overriding its field after a range check."""
-    _check_option("block_n", block_n, power_of_two=True, low=16, high=256)
+    _check_option("block_n", block_n, power_of_two=True, low=1, high=256)
     _check_option("block_k", block_k, power_of_two=True, low=16, high=1024)
     _check_option("norm_block_k", norm_block_k, power_of_two=True, low=16, high=8192)
     _check_option("num_warps", num_warps, power_of_two=True, low=1, high=16)
@@ -404,6 +446,9 @@ def resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, 
     if swap_ab is not None and gemv is None:
         gemv = False  # a dot operand order asked for (either one): the dot form
     auto = pick_launch_config(tokens, hidden, latent, dtype, num_sms(device), gemv)
+    if block_n and block_n < 16 and not auto.gemv:
+        raise ValueError(f"block_n={block_n}: a tensor-core dot takes >= 16 weight rows "
+                         "(block_n < 16 needs the GEMV form: gemv=True)")
     if auto.gemv and block_n and not block_k:
         # the accumulator budget over the block_n asked for, not the default's
         block_k = gemv_block_k(block_n, block_m_for(tokens, True), latent)
@@ -491,6 +536,26 @@ def _check_out(out, shared, others, dtype) -> None:
                              "tensor that shares no memory with the inputs")
 
 
+def _shard_of(shared, up_w, column_offset) -> torch.Tensor:
+    """``column_offset``'s check, and the columns of ``shared [T, H]`` that ``up_w``'s
+    rows produce (``shared`` as given where the argument check will refuse it)."""
+    if isinstance(column_offset, bool) or not isinstance(column_offset, int):
+        raise TypeError(f"column_offset must be an int or None, got "
+                        f"{type(column_offset).__name__}")
+    if not (isinstance(shared, torch.Tensor) and isinstance(up_w, torch.Tensor)
+            and shared.dim() == 2 and up_w.dim() == 2):
+        return shared
+    width, rows = shared.shape[1], up_w.shape[0]
+    if column_offset < 0 or column_offset + rows > width:
+        raise ValueError(f"column_offset={column_offset}: up_w's {rows} rows must land inside "
+                         f"shared's {width} columns")
+    return shared.narrow(1, column_offset, rows)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` share an element: exact for row views of one row stride
     (column shards of one ``[T, H]`` buffer), else :func:`may_overlap` (byte spans)."""
@@ -538,6 +603,7 @@ def latent_moe_tail_fused(
     pdl: bool | None = None,
     normed_rows: bool | None = None,
     out: torch.Tensor | None = None,
+    column_offset: int | None = None,
 ) -> torch.Tensor:
     """``shared + rms_norm(routed_latent, norm_w, eps, weight_in_fp32) @ up_w.T`` in one
     launch; returns a new contiguous ``[T, H]`` tensor in ``up_w``'s dtype, or ``out``
@@ -552,6 +618,12 @@ def latent_moe_tail_fused(
     prologue launch (either: two launches; ``pdl``: the second as the first's programmatic
     dependent). ``block_m``: token rows per program, tiling T (any T then, not only up to
     ``MAX_TOKENS``); ``m_first``: row tiles as the fastest grid dimension.
+
+    ``column_offset``: ``up_w`` holds ``N`` of the output's columns (a column-parallel
+    shard), ``shared`` and ``out`` are ``[T, H]`` with ``H >= column_offset + N``; the
+    result is ``shared`` with columns ``column_offset .. column_offset + N`` gaining the
+    GEMM. In place (``out`` is ``shared``) only those columns are written; into another
+    buffer the launch also copies the other columns (no copy launch of its own).
     """
     for name, flag in (("swap_ab", swap_ab), ("gemv", gemv), ("prenorm", prenorm),
                        ("m_first", m_first), ("pdl", pdl), ("normed_rows", normed_rows)):
@@ -559,19 +631,26 @@ def latent_moe_tail_fused(
             raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
     if isinstance(block_m, bool) or not isinstance(block_m, int):
         raise TypeError(f"block_m must be an int, got {type(block_m).__name__}")
+    full = shared
+    if column_offset is not None:
+        shared = _shard_of(shared, up_w, column_offset)
     check_fused_tail_args(routed_latent, shared, norm_w, eps, up_w, weight_in_fp32, norm_dtype,
                           max_tokens=None if block_m else MAX_TOKENS)
     tokens, latent = routed_latent.shape
     hidden = up_w.shape[0]
     if out is not None:
-        _check_out(out, shared, (routed_latent, norm_w, up_w), up_w.dtype)
+        _check_out(out, full, (routed_latent, norm_w, up_w), up_w.dtype)
+    else:
+        out = torch.empty(full.shape, dtype=up_w.dtype, device=up_w.device)
+    out_full = out
+    # Columns outside the shard: copied by the launch unless it writes in place.
+    rest = 0 if _same_view(out, full) else full.shape[1] - hidden
+    out = out.narrow(1, column_offset or 0, hidden)
     cfg = resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
                           block_k, num_warps, num_stages, split_k, norm_block_k,
                           swap_ab, gemv, prenorm, block_m, m_first, pdl, normed_rows)
-    if out is None:
-        out = torch.empty((tokens, hidden), dtype=up_w.dtype, device=up_w.device)
     if tokens == 0:
-        return out
+        return out_full
     interpreted = routed_latent.device.type == "cpu"
     block_m = cfg.block_m or block_m_for(tokens, cfg.gemv)
     m_tiles = cdiv(tokens, block_m)
@@ -601,18 +680,23 @@ def latent_moe_tail_fused(
             routed_latent, routed_latent.stride(0), rinv, tokens, latent, float(eps),
             ROWS=rows, BLOCK_L=min(1024, max(16, triton.next_power_of_2(latent))),
             PDL=pdl_on, num_warps=4)
-    grid = (m_tiles, cfg.split_k, tiles) if cfg.m_first else (tiles, cfg.split_k, m_tiles)
+    rest_block = min(max(16, 8192 // block_m), triton.next_power_of_2(max(rest, 1)))
+    col_programs = tiles + cdiv(rest, rest_block)
+    grid = ((m_tiles, cfg.split_k, col_programs) if cfg.m_first
+            else (col_programs, cfg.split_k, m_tiles))
     _moe_tail_kernel[grid](
         rows_in, rows_in.stride(0),
         norm_w,
         up_w, up_w.stride(0),
         shared, shared.stride(0),
         out, out.stride(0),
+        full, out_full,
         ws, lock, rinv,
         tokens, latent, hidden,
         float(eps),
         k_per_split,
         tokens * hidden,
+        column_offset or 0, full.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -629,8 +713,10 @@ def latent_moe_tail_fused(
         M_FIRST=cfg.m_first,
         PDL=pdl_on,
         NORMED_IN=cfg.normed_rows,
+        COPY_REST=rest > 0,
+        REST_BLOCK=rest_block,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_kw,
     )
-    return out
+    return out_full

@@ -348,6 +348,70 @@ def test_out_in_place_on_a_column_shard_of_shared(opts):
         launch(x, before[:, lo:lo + width], w, 1e-6, up, out=into)
 
 
+# Launch options with GEMV tiles narrower than a dot takes (the column shard's default).
+NARROW_GEMV = st.fixed_dictionaries({
+    "gemv": st.just(True), "block_n": st.sampled_from([1, 4, 8]),
+    "split_k": st.sampled_from([0, 1, 2]), "num_stages": st.sampled_from([0, 4, 5]),
+})
+
+
+@settings(max_examples=20, deadline=None)
+@given(c=cases(), opts=st.one_of(LAUNCH, NARROW_GEMV), seed=st.integers(0, 2**31 - 1),
+       extra=st.integers(0, 40), where=st.floats(0, 1), in_place=st.booleans(),
+       row_pad=st.sampled_from([0, 8]))
+@example(c=Case(3, 40, 24, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False), opts={},
+         seed=0, extra=72, where=0.5, in_place=False, row_pad=8)  # rest split around it
+@example(c=Case(1, 100, 16, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False),
+         opts={"gemv": True, "block_n": 8}, seed=1, extra=40, where=1.0, in_place=True,
+         row_pad=0)
+def test_column_offset_adds_the_shard_and_copies_the_rest(c, opts, seed, extra, where,
+                                                          in_place, row_pad):
+    """``column_offset``: ``up_w`` makes ``hidden`` of a wider ``shared``'s columns (the
+    column-parallel tier's shard). Those columns get the tail, within its bound; the others
+    are ``shared``'s, bit for bit -- copied by the same launch into a new buffer, or left
+    alone in place; ``shared`` is untouched unless it is ``out``."""
+    if opts.get("swap_ab") and opts.get("gemv"):
+        return
+    x, _, w, up = make_inputs(c, seed)
+    g = torch.Generator().manual_seed(seed % 2**31)
+    width, offset = c.hidden + extra, round(where * extra)
+    parent = torch.randn(c.tokens, width + row_pad, generator=g)
+    full = parent.to(device=DEVICE, dtype=c.out_dtype)[:, :width]
+    before = full.clone()
+    y = launch(x, full, w, c.eps, up, weight_in_fp32=c.weight_in_fp32,
+               out=full if in_place else None, column_offset=offset, **opts)
+    assert y.shape == full.shape and y.dtype == full.dtype
+    if in_place:
+        assert y.data_ptr() == full.data_ptr()
+    else:
+        assert y.is_contiguous() and torch.equal(full, before)
+    cols = slice(offset, offset + c.hidden)
+    assert torch.equal(y[:, :cols.start], before[:, :cols.start])
+    assert torch.equal(y[:, cols.stop:], before[:, cols.stop:])
+    ref, bound = tail_tolerance(x, before[:, cols], w, c.eps, up, c.weight_in_fp32,
+                                truncating=DEVICE == "cpu")
+    assert_within(y[:, cols], ref, bound, f"{c} {opts} offset {offset} of {width}")
+
+
+def test_column_offset_errors_name_the_argument():
+    x, s, w, up = make_inputs(Case(3, 40, 24, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0,
+                                   False), 0)
+    wide = torch.zeros(3, 64, dtype=s.dtype, device=s.device)
+    for bad in (True, 1.0, "8"):
+        with pytest.raises(TypeError, match="column_offset must be an int"):
+            launch(x, wide, w, 1e-6, up, column_offset=bad)
+    for bad in (-1, 41, 1000):
+        with pytest.raises(ValueError, match=f"column_offset={bad}: up_w's 24 rows"):
+            launch(x, wide, w, 1e-6, up, column_offset=bad)
+    with pytest.raises(ValueError, match="out has shape"):
+        launch(x, wide, w, 1e-6, up, column_offset=8, out=wide[:, 8:32])  # out is [T, H]
+    with pytest.raises(ValueError, match="out overlaps shared"):
+        launch(x, wide[:, :48], w, 1e-6, up, column_offset=8, out=wide[:, 16:])
+    with pytest.raises(ValueError, match="shared must be 2-D"):
+        launch(x, wide[None], w, 1e-6, up, column_offset=0)
+    assert launch(x, wide, w, 1e-6, up, column_offset=40).shape == (3, 64)
+
+
 def test_overlap_check_is_exact_for_row_views_of_one_stride():
     """``out=``'s overlap check against brute force: row views of one buffer with one row
     stride (column shards, row ranges) share an element exactly when it says so; other
@@ -415,8 +479,11 @@ def test_launch_config_heuristic():
     assert not kernel_mod.resolve_config(20, 7168, 3584, torch.bfloat16, cpu,
                                          num_stages=5).swap_ab
     assert kernel_mod.resolve_config(16, 7168, 3584, torch.bfloat16, cpu, num_stages=5).swap_ab
-    small = kernel_mod.pick_launch_config(4, 512, 3584, torch.bfloat16, 132)
-    assert small.block_n == 64 and small.split_k == 8  # 8 tiles: split K to reach the SMs
+    small = kernel_mod.pick_launch_config(8, 512, 3584, torch.bfloat16, 132)
+    assert small.block_n == 64 and small.split_k == 4  # 8 tiles: split K to reach the SMs
+    assert small.normed_rows and small.pdl  # ... 4 ways in the norm-launch form, else 8
+    assert kernel_mod.pick_launch_config(8, 512, 3584, torch.float32, 132).split_k == 8
+    assert kernel_mod.pick_launch_config(33, 512, 3584, torch.bfloat16, 132).split_k == 8
     assert kernel_mod.pick_launch_config(1, 64, 20, torch.float32).block_k == 32
     # split_k never leaves a split without K blocks
     r = kernel_mod.resolve_config(4, 64, 100, torch.bfloat16, torch.device("cpu"), 16, 32,
@@ -438,9 +505,10 @@ def test_launch_config_takes_the_norm_launch_form_from_2_to_32_rows(monkeypatch)
         assert not cfg.prenorm, (t, cfg)
     for cfg in (pick(1, 7168, 3584, torch.bfloat16, 132),      # GEMV
                 pick(33, 7168, 3584, torch.bfloat16, 132),     # 64 token rows
-                pick(4, 7168, 3584, torch.float32, 132),       # fp32 weights
-                pick(4, 512, 3584, torch.bfloat16, 132)):      # split-K (8 tiles)
+                pick(4, 7168, 3584, torch.float32, 132)):      # fp32 weights
         assert not (cfg.normed_rows or cfg.prenorm or cfg.pdl), cfg
+    split = pick(8, 512, 3584, torch.bfloat16, 132)  # 8 column tiles: split-K, norm launch
+    assert split.split_k == 4 and split.normed_rows and split.pdl
     resolve = kernel_mod.resolve_config
     cpu = torch.device("cpu")
     auto = resolve(4, 7168, 3584, torch.bfloat16, cpu)
@@ -458,6 +526,30 @@ def test_launch_config_takes_the_norm_launch_form_from_2_to_32_rows(monkeypatch)
     monkeypatch.setattr(kernel_mod, "pdl_available", lambda device: False)
     cfg = resolve(4, 7168, 3584, torch.bfloat16, cpu)
     assert not (cfg.normed_rows or cfg.prenorm or cfg.pdl)
+
+
+def test_launch_config_for_a_column_shard():
+    """A tp = 8 shard (896 columns): the GEMV form up to 4 tokens in 8-column tiles (112
+    programs, no split-K), then the norm launch + the swapped dot split 4 ways."""
+    pick = kernel_mod.pick_launch_config
+    for t, block_k, stages in ((1, 1024, 4), (2, 512, 5), (4, 256, 5)):
+        cfg = pick(t, 896, 3584, torch.bfloat16, 132)
+        assert cfg.gemv and (cfg.block_n, cfg.split_k, cfg.block_k, cfg.num_stages) == (
+            8, 1, block_k, stages), (t, cfg)
+    for t in (5, 8, 32):
+        cfg = pick(t, 896, 3584, torch.bfloat16, 132)
+        assert not cfg.gemv and cfg.normed_rows and cfg.pdl and cfg.swap_ab, (t, cfg)
+        assert (cfg.block_n, cfg.split_k) == (64, 4), (t, cfg)
+    assert pick(1, 1025, 3584, torch.bfloat16, 132).block_n == 32  # not narrow: as before
+    assert not pick(2, 1025, 3584, torch.bfloat16, 132).gemv
+    assert pick(1, 2048, 3584, torch.bfloat16, 132).block_n == 32
+    assert not pick(1, 896, 3584, torch.float32, 132).gemv  # 16-bit weights only
+    assert pick(1, 96, 3584, torch.bfloat16, 132).split_k > 1  # 12 tiles of 8: split-K
+    # asked for: narrow tiles in the GEMV form only
+    cpu = torch.device("cpu")
+    assert kernel_mod.resolve_config(1, 896, 3584, torch.bfloat16, cpu, block_n=4).block_n == 4
+    with pytest.raises(ValueError, match="block_n < 16 needs the GEMV form"):
+        kernel_mod.resolve_config(8, 896, 3584, torch.bfloat16, cpu, block_n=8)
 
 
 def test_launch_config_takes_the_gemv_form_for_one_16_bit_token():
@@ -527,7 +619,9 @@ def _good():
         (dict(shared=torch.randn(4, 24, dtype=torch.float16)), TypeError, "dtypes must agree"),
         (dict(up_w=torch.randn(24, 40, device="meta")), ValueError, "up_w is on meta"),
         (dict(block_n=24), ValueError, "block_n must be a power of two"),
-        (dict(block_n=8), ValueError, "block_n must be 0"),
+        (dict(block_n=512), ValueError, "block_n must be 0"),
+        (dict(block_n=8), ValueError, "block_n < 16 needs the GEMV form"),
+        (dict(block_n=8, gemv=False), ValueError, "block_n < 16 needs the GEMV form"),
         (dict(block_k=True), TypeError, "block_k must be an int"),
         (dict(split_k=-1), ValueError, "split_k must be 0"),
         (dict(num_warps=3), ValueError, "num_warps must be a power of two"),
@@ -655,7 +749,8 @@ def test_cuda_k3_sizes(tokens):
 @pytest.mark.parametrize("tokens", [1, 4, 16, 32])
 def test_cuda_column_parallel_shard_in_one_launch(tokens, monkeypatch):
     """The column-parallel tier at tp = 8, rank 3 (collectives stubbed: one GPU): its 896
-    columns from one fused launch, in place, within the tail's bound, the other columns
+    columns from the tail kernel (in place on a donated partial, else into a buffer the
+    launch copies the other columns into), within the tail's bound, the other columns
     shared's; the unfused shard (norm + addmm_) within the same bound."""
     monkeypatch.setattr(moe_tail.tiers, "tp_size_and_rank", lambda group: (8, 3))
     monkeypatch.setattr(moe_tail.tiers, "_all_reduce_owned", lambda t, group: t)
@@ -667,12 +762,16 @@ def test_cuda_column_parallel_shard_in_one_launch(tokens, monkeypatch):
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(moe_tail.tiers, "COLUMN_FUSED_MAX_TOKENS", 0)
-        with spy_on_launcher("latent_moe_tail_fused", "out") as calls:
-            y = moe_tail.tiers._column_parallel(x, s, w, 1e-6, up, object(), False, None, False)
-        assert len(calls) == int(fused) and all(c is not None for c in calls)
-        assert_within(y[:, cols], ref, bound, f"T={tokens} fused={fused}")
-        assert torch.equal(y[:, :cols.start], s[:, :cols.start])
-        assert torch.equal(y[:, cols.stop:], s[:, cols.stop:])
+        for donate in (False, True):
+            mine = s.clone()
+            with spy_on_launcher("latent_moe_tail_fused", "column_offset") as calls:
+                y = moe_tail.tiers._column_parallel(x, mine, w, 1e-6, up, object(), False,
+                                                    None, donate)
+            assert calls == ([cols.start] if fused else [])
+            assert (y.data_ptr() == mine.data_ptr()) == donate
+            assert_within(y[:, cols], ref, bound, f"T={tokens} fused={fused}")
+            assert torch.equal(y[:, :cols.start], s[:, :cols.start])
+            assert torch.equal(y[:, cols.stop:], s[:, cols.stop:])
 
 
 @pytest.mark.cuda
@@ -889,13 +988,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3fusion.kernels.moe_tail import _moe_tail_kernel as k
 names = [p.name for p in k.params]
-for split, swap, gemv in ((1, False, 0), (4, False, 0), (1, True, 0), (2, True, 0),
-                         (1, False, 1), (3, False, 1), (1, False, 4)):
-    const = dict(BLOCK_M=gemv or 16, BLOCK_N=32 if gemv else 64, BLOCK_K=64 if gemv == 4 else 256,
+for split, swap, gemv, rest in ((1, False, 0, 0), (4, False, 0, 0), (1, True, 0, 0),
+                               (2, True, 0, 0), (1, False, 1, 0), (3, False, 1, 0),
+                               (1, False, 4, 0), (1, False, 1, 1), (4, True, 0, 1)):
+    const = dict(BLOCK_M=gemv or 16, BLOCK_N=(8 if rest else 32) if gemv else 64,
+                 BLOCK_K=64 if gemv == 4 else 256,
                  NORM_BLOCK_K=512, SPLIT_K=split, SWAP_AB=swap,
                  GEMV=bool(gemv), NUM_STAGES=3 if gemv else 4, WEIGHT_IN_FP32=False,
                  DOT_IN_FP32=False, GPU_FENCE=True, NORM_DTYPE=triton.language.bfloat16,
-                 INV_RMS_IN=False, M_FIRST=False, PDL=False, NORMED_IN=False)
+                 INV_RMS_IN=False, M_FIRST=False, PDL=False, NORMED_IN=bool(rest),
+                 COPY_REST=bool(rest), REST_BLOCK=512)
     ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32", "rinv_ptr": "*fp32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n == "eps" else "i32" for n in names}
@@ -910,7 +1012,7 @@ for split, swap, gemv in ((1, False, 0), (4, False, 0), (1, True, 0), (2, True, 
 @pytest.mark.slow
 def test_gpu_variants_compile_for_hopper():
     """The GPU-only code (the tensor-core dot in both operand orders, the split-K fences
-    and counters, the GEMV form) compiles for sm_90 on any
+    and counters, the GEMV form, the column shard's copy programs) compiles for sm_90 on any
     machine: the interpreter never builds it. The GEMV form has no tensor-core
     instruction."""
     out = run_compile_script(_PTX_CHECK, "the fused tail kernel")
@@ -918,7 +1020,7 @@ def test_gpu_variants_compile_for_hopper():
     assert [x for x in lines if x] == [
         "1 False 0 True True", "4 False 0 True True", "1 True 0 True True",
         "2 True 0 True True", "1 False 1 False True", "3 False 1 False True",
-        "1 False 4 False True"], out
+        "1 False 4 False True", "1 False 1 False True", "4 True 0 True True"], out
 
 
 _PTX_CHECK_ISSUE17 = """
@@ -945,19 +1047,22 @@ def build(kernel, const, ptrs, warps, stages):
 ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32", "rinv_ptr": "*fp32"}
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, SWAP_AB, M_FIRST, PDL, NORMED_IN, warps, stages):
 # the probe's prenorm split-K at decode, its row-tiled GEMMs, and the default norm-launch
-# form at 16 and 32 token rows
+# form at 16 and 32 token rows, and a column shard's at 32
 for bm, bn, bk, split, swap, mfirst, pdl, normed, nw, ns in (
         (16, 64, 256, 4, True, False, True, False, 4, 4),
         (64, 64, 256, 2, True, False, False, False, 4, 3),
         (128, 128, 64, 1, False, True, True, False, 8, 4),
         (128, 256, 64, 1, False, False, False, False, 8, 3),
         (16, 64, 256, 1, True, False, True, True, 4, 4),
-        (32, 64, 256, 1, True, False, True, True, 4, 4)):
+        (32, 64, 256, 1, True, False, True, True, 4, 4),
+        (32, 64, 256, 4, True, False, True, True, 4, 4)):
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK_K=512, SPLIT_K=split,
                  SWAP_AB=swap, GEMV=False, NUM_STAGES=ns,
                  WEIGHT_IN_FP32=False, DOT_IN_FP32=False, GPU_FENCE=True,
                  NORM_DTYPE=triton.language.bfloat16, INV_RMS_IN=not normed, M_FIRST=mfirst,
-                 PDL=pdl, NORMED_IN=normed)
+                 PDL=pdl, NORMED_IN=normed,
+                 # the column shard's form: split-K after a norm launch, the rest copied
+                 COPY_REST=normed and split > 1, REST_BLOCK=256)
     c = build(k, const, ptrs, nw, ns)
     ptx = c.asm["ptx"]
     print(bm, bn, "wgmma" in ptx and "cp.async" in ptx, ("griddepcontrol.wait" in ptx) == pdl,
@@ -980,7 +1085,7 @@ def test_issue17_forms_compile_for_hopper():
     assert [x for x in out.split("\n") if x] == [
         "16 64 True True True", "64 64 True True True", "128 128 True True True",
         "128 256 True True True", "16 64 True True True", "32 64 True True True",
-        "prologue True", "norm launch True", "norm launch True"], out
+        "32 64 True True True", "prologue True", "norm launch True", "norm launch True"], out
 
 
 @pytest.mark.parametrize("form", [{}, {"normed_rows": False}, {"prenorm": True}],

@@ -366,19 +366,19 @@ def _(ctx, payloads):
 @case("column-parallel-fused-shard")
 def _run_fused_shard(ctx):
     # Up to COLUMN_FUSED_MAX_TOKENS 16-bit tokens the tier runs its shard through the fused
-    # kernel (on a GPU; here the interpreter, asked for), in place on its copy of shared;
-    # above, the norm and addmm_.
+    # kernel (on a GPU; here the interpreter, asked for) at this rank's column offset, into
+    # a new buffer; above, the norm and addmm_.
     # Both within the exact tail's bound; hidden 96: shards of 48 / 24 columns.
     top = moe_tail.tiers.COLUMN_FUSED_MAX_TOKENS
     out = {}
     for dtype in (torch.bfloat16, torch.float16):
         for t in sorted({1, 5, top, top + 1}):
-            with spy_on_launcher("latent_moe_tail_fused", "out") as calls, \
+            with spy_on_launcher("latent_moe_tail_fused", "column_offset") as calls, \
                     pytest.MonkeyPatch.context() as mp:
                 mp.setattr(moe_tail.tiers, "SHARD_KERNEL_ON_CPU", True)
                 p = _tail(ctx, 90 + t, (t,), 96, dtype, tier="column_parallel")
             p["fused_calls"] = len(calls)
-            p["wrote_in_place"] = all(c is not None for c in calls)
+            p["offsets"] = calls
             out[(str(dtype), t)] = p
     return out
 
@@ -392,7 +392,8 @@ def _(ctx, payloads):
             want = 1 if t <= top else 0
             assert p[key]["fused_calls"] == want, (
                 f"rank {r} {key}: {p[key]['fused_calls']} fused launches, expected {want}")
-            assert p[key]["wrote_in_place"], f"rank {r} {key}: the kernel allocated its output"
+            want = [r * 96 // len(payloads)] * p[key]["fused_calls"]
+            assert p[key]["offsets"] == want, f"rank {r} {key}: column offsets {p[key]['offsets']}"
     _check_each(ctx, [{k: v for k, v in p.items()} for p in payloads],
                 tiers={k: "column_parallel" for k in payloads[0]})
 

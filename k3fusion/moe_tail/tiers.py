@@ -373,28 +373,28 @@ def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, n
     hidden = shared.shape[-1]
     shard = hidden // tp
     start = rank * shard
+    up_shard = up_w.narrow(0, start, shard)
+    if _fused_shard(routed, up_w, tp):
+        # The tail kernel on this rank's columns, in place on the donated partial or into
+        # a new buffer the same launch copies the partial's other columns into.
+        x = reference.all_reduce(routed, group)
+        out = kernels.moe_tail.latent_moe_tail_fused(
+            x, shared, norm_w, eps, up_shard, out=shared if donate_shared else None,
+            column_offset=start, weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype)
+        return _all_reduce_owned(out, group)
     # The caller's partial is written only when donated; otherwise a private copy is.
     out = shared if donate_shared else shared.clone(memory_format=torch.contiguous_format)
     cols = out.narrow(-1, start, shard)
-    up_shard = up_w.narrow(0, start, shard)
-    if _fused_shard(routed, up_w, tp):
-        # One launch for norm, GEMM and add on this rank's columns, in place on the copy
-        # (the same function as below; the kernel's split-K fills the SMs a shard leaves).
-        x = reference.all_reduce(routed, group)
-        kernels.moe_tail.latent_moe_tail_fused(x, cols, norm_w, eps, up_shard, out=cols,
-                                               weight_in_fp32=weight_in_fp32,
-                                               norm_dtype=norm_dtype)
-    else:
-        h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
-        # Beta-add epilogue: out[:, cols] = out[:, cols] + h @ up_w[cols].T.
-        cols.addmm_(h, up_shard.t())
+    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
+    # Beta-add epilogue: out[:, cols] = out[:, cols] + h @ up_w[cols].T.
+    cols.addmm_(h, up_shard.t())
     # One all-reduce sums the ranks' partials and stitches the column shards.
     return _all_reduce_owned(out, group)
 
 
-#: Up to this many tokens the column-parallel tier runs its shard as one fused launch
-#: (docs/experiments.md, "2026-12-04: the column-parallel tail in one launch").
-COLUMN_FUSED_MAX_TOKENS = 1
+#: Up to this many tokens the column-parallel tier runs its shard through the tail kernel
+#: (docs/experiments.md, "2026-12-04: the column-parallel shard's launch shapes").
+COLUMN_FUSED_MAX_TOKENS = 32
 
 
 #: The shard kernel on CPU through Triton's interpreter (tests only: the interpreter
