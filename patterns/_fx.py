@@ -420,12 +420,15 @@ def fake_call(target, args: tuple, kwargs: dict | None = None):
 
 def inductor_lowers(target) -> bool:
     """Whether Inductor can lower a call of ``target`` in a post-grad graph: an op with an
-    Inductor lowering, a ``k3fusion`` op (a fallback kernel), or ``getitem``. Any other op
-    reaches ``make_fallback`` at lowering, which fails for an op that has a decomposition
-    (``aten.new_ones``: "both a fallback and a decomp for same op")."""
+    Inductor lowering, a ``k3fusion`` op (a fallback kernel), ``getitem``, or
+    ``auto_functionalized`` (of a ``k3fusion`` op: Inductor reinplaces it, then decomposes it
+    into clones and the op before lowering). Any other op reaches ``make_fallback`` at
+    lowering, which fails for an op that has a decomposition (``aten.new_ones``: "both a
+    fallback and a decomp for same op")."""
     from torch._inductor.lowering import lowerings
 
-    if target is operator.getitem or target in lowerings:
+    if (target is operator.getitem or target in lowerings
+            or target is torch.ops.higher_order.auto_functionalized):
         return True
     return isinstance(target, torch._ops.OpOverload) and target.namespace == "k3fusion"
 

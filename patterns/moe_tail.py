@@ -16,6 +16,7 @@ docs/design-notes.md, "patterns/moe_tail.py".
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -209,6 +210,24 @@ def _op_args(site: MoETailSite, shared=None) -> tuple:
             site.norm.weight_in_fp32, eps_t, site.norm.x_round)
 
 
+#: The in-place op's arguments, in order (``auto_functionalized`` takes them by name).
+_INPLACE_ARGS = ("routed_latent", "shared", "norm_w", "eps", "up_w", "group_name",
+                 "weight_in_fp32", "eps_tensor", "norm_dtype")
+
+
+def _insert_tail(graph: Graph, site: MoETailSite, shared) -> Node:
+    """The op call replacing the tail: ``k3fusion::latent_moe_tail_`` (the result written
+    into ``shared``, ``routed`` clobbered) under ``auto_functionalized``, so that Inductor's
+    reinplacing passes the partials that nothing reads afterwards in place (the tiers
+    then copy neither) and clones the others. (The op's dtype rule makes ``shared`` the
+    result's dtype; _plan checked the functional op's shape against the graph's.)"""
+    args = _op_args(site, shared)
+    mutated = insert_call(graph, torch.ops.higher_order.auto_functionalized,
+                          (torch.ops.k3fusion.latent_moe_tail_.default,),
+                          dict(zip(_INPLACE_ARGS, args)))
+    return insert_call(graph, operator.getitem, (mutated, 2))  # (None, routed, shared)
+
+
 def _plan(site: MoETailSite) -> list:
     rebuilt = isinstance(site.shared, tuple)
     survivors = [site.routed, site.up_w] + (list(site.shared) if rebuilt else [site.shared])
@@ -255,8 +274,7 @@ def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> FusionResult:
                 shared = None
                 if isinstance(site.shared, tuple):
                     shared = insert_call(graph, aten.mm.default, site.shared)
-                node = insert_call(graph, torch.ops.k3fusion.latent_moe_tail.default,
-                                   _op_args(site, shared))
+                node = _insert_tail(graph, site, shared)
         except NoMatch as e:
             misses.append(_miss(anchor, str(e)))
             continue

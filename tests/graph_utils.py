@@ -272,11 +272,10 @@ class K3Calls:
         self.calls: list[tuple[str, dict]] = []
         self._names: dict[int, str | None] = {}
         for node in graph.nodes:
-            if node.op != "call_function" or getattr(node.target, "namespace", None) != "k3fusion":
+            call = k3_call(node)
+            if call is None:
                 continue
-            schema = [a.name for a in node.target._schema.arguments]
-            bound = dict(zip(schema, node.args))
-            bound.update(node.kwargs)
+            op, bound = call
             for key, arg in bound.items():
                 base = arg
                 while isinstance(base, fx.Node) and base.op == "call_function" and \
@@ -287,7 +286,7 @@ class K3Calls:
                     t = runtime[inputs.index(base)]
                     self._names[id(arg)] = params.get(t.data_ptr()) \
                         if isinstance(t, torch.Tensor) else None
-            self.calls.append((node.target.overloadpacket.__name__, bound))
+            self.calls.append((op, bound))
 
     def name(self, arg) -> str | None:
         return self._names.get(id(arg))
@@ -297,6 +296,31 @@ class K3Calls:
 
 
 # --------------------------------------------------------------------------- graph queries
+
+
+def k3_call(node: fx.Node) -> tuple[str, dict] | None:
+    """``(op name, arguments by name)`` of a ``torch.ops.k3fusion`` call, None for any other
+    node. An in-place variant (``latent_moe_tail_``), called directly or under
+    ``auto_functionalized``, is named as its functional op: the same call, its result
+    written into an input."""
+    if node.op != "call_function":
+        return None
+    target, args = node.target, node.args
+    if target is torch.ops.higher_order.auto_functionalized:
+        target, args = args[0], ()
+    if getattr(target, "namespace", None) != "k3fusion":
+        return None
+    schema = [a.name for a in target._schema.arguments]
+    bound = dict(zip(schema, args))
+    bound.update(node.kwargs)
+    return target.overloadpacket.__name__.rstrip("_"), bound
+
+
+def k3_calls(graph: fx.Graph | fx.GraphModule, op: str) -> list[dict]:
+    """The arguments (by name) of every call of k3fusion's ``op`` in ``graph``
+    (:func:`k3_call`)."""
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    return [c[1] for c in map(k3_call, graph.nodes) if c is not None and c[0] == op]
 
 
 def _matches(node: fx.Node, target) -> bool:

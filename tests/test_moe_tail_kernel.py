@@ -813,6 +813,12 @@ def test_cuda_tier_runs_the_kernel():
         with spy_on_launcher("latent_moe_tail_fused", "weight_in_fp32") as calls:
             y_op = torch.ops.k3fusion.latent_moe_tail(x, s, w, 1e-6, up, None)
         assert calls == [False] and torch.equal(y_op, y)
+        # the in-place op (what compiled graphs run): the kernel writes into shared itself
+        mine = s.clone()
+        with spy_on_launcher("latent_moe_tail_fused", "out") as calls:
+            torch.ops.k3fusion.latent_moe_tail_(x.clone(), mine, w, 1e-6, up, None)
+        assert len(calls) == 1 and calls[0].data_ptr() == mine.data_ptr()
+        assert torch.equal(mine, y)
     x, s, w, up = _k3_inputs(limit + 1, seed=2)
     with spy_on_launcher("latent_moe_tail_fused", "weight_in_fp32") as calls:
         _, tier = moe_tail.run_latent_moe_tail(x, s, w, 1e-6, up)

@@ -26,7 +26,7 @@ from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 from k3fusion.models.kimi_k3 import count_latent_moe_layers
 
 from graph_utils import (CaptureBackend, compile_capture, count_op, fresh_state,  # noqa: F401
-                         no_compile_caches, op_histogram)
+                         k3_calls, no_compile_caches, op_histogram)
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),
@@ -119,12 +119,67 @@ def test_tail_forms_match(fn, lead):
     args = _inputs(lead=lead)
     out, be, n = _fused(fn, *args)
     assert n == 1
-    assert count_op(be.graph_after, TAIL) == 1
+    assert len(k3_calls(be.graph_after, "latent_moe_tail")) == 1
     assert count_op(be.graph_after, torch.ops.aten.rsqrt.default) == 0
     with torch.no_grad():
         torch.testing.assert_close(out, fn(*args), rtol=1e-5, atol=1e-5)
     if lead == (6,):  # Inductor folds `shared + mm` into addmm(shared, h, W.T)
         assert count_op(be.graph_before, torch.ops.aten.addmm.default) == 1
+
+
+def _routed_given(r, x, ws, nw, up):  # the routed partial is the caller's tensor
+    return x @ ws.T + _rms_hf(r, nw) @ up.T
+
+
+def _both_computed(r, x, ws, nw, up):  # both partials are temporaries only the tail reads
+    return x @ ws.T + _rms_hf(r * 2, nw) @ up.T
+
+
+def _both_read_after(r, x, ws, nw, up):  # both partials are read again after the tail
+    shared, routed = x @ ws.T, r * 2
+    return shared + _rms_hf(routed, nw) @ up.T, shared * 2, routed + 1
+
+
+@pytest.mark.parametrize("fn, cloned", [(_routed_given, (True, False)),
+                                        (_both_computed, (False, False)),
+                                        (_both_read_after, (True, True))],
+                         ids=["routed-given", "both-computed", "both-read-after"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tail_writes_into_its_partials_only_where_nothing_reads_them_after(fn, cloned, dtype):
+    """The pass inserts ``latent_moe_tail_`` (result into ``shared``, ``routed``
+    clobbered) under ``auto_functionalized``: Inductor hands it the partials themselves
+    where nothing reads them after the tail (the tiers then copy neither), copies where
+    something does or where they are the caller's; the caller's tensors and every later
+    read are as eager has them."""
+    args = _inputs(dtype=dtype)
+    saved = [a.clone() for a in args]
+    out, be, n = _fused(fn, *args)
+    assert n == 1
+    (call,) = [c for c in be.final[-1].graph.nodes
+               if c.target is torch.ops.k3fusion.latent_moe_tail_.default]
+
+    def is_copy(node):  # decompose_auto_functionalized's clone, seen through its views
+        while node.target is torch.ops.aten.as_strided.default:
+            node = node.args[0]
+        return node.target is torch.ops.aten.clone.default
+
+    assert (is_copy(call.args[0]), is_copy(call.args[1])) == cloned
+    for a, b in zip(args, saved):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out, fn(*args), rtol=tol, atol=tol)
+
+
+def test_inplace_op_writes_the_functional_result_into_shared():
+    r, x, ws, nw, up = _inputs(dtype=torch.bfloat16)
+    shared = x @ ws.T
+    want = TAIL(r, shared, nw, 1e-6, up, None)
+    mine, routed = shared.clone(), r.clone()
+    assert torch.ops.k3fusion.latent_moe_tail_(routed, mine, nw, 1e-6, up, None) is None
+    assert torch.equal(mine, want) and torch.equal(routed, r)  # tp = 1: no all-reduce
+    with pytest.raises(TypeError, match="dtypes must agree"):
+        torch.ops.k3fusion.latent_moe_tail_(r, shared.float(), nw, 1e-6, up, None)
 
 
 def test_tail_bf16_dynamic_t_and_other_eps():
@@ -140,8 +195,8 @@ def test_tail_bf16_dynamic_t_and_other_eps():
             a = _inputs(t=t, dtype=torch.bfloat16, seed=t)
             torch.testing.assert_close(compiled(*a), fn(*a), rtol=2e-2, atol=2e-2)
     assert be.compiles == 1 and k3fusion.match_counts()["moe_tail"] == 1
-    (tail,) = [n for n in be.graph_after.nodes if n.target is TAIL]
-    assert tail.args[3] == 1e-5 and tail.args[6] is False  # eps, cast-then-weight
+    (tail,) = k3_calls(be.graph_after, "latent_moe_tail")
+    assert tail["eps"] == 1e-5 and tail["weight_in_fp32"] is False  # cast-then-weight
 
 
 def test_tail_whose_norm_casts_an_fp32_latent():
@@ -158,9 +213,9 @@ def test_tail_whose_norm_casts_an_fp32_latent():
     acc = r.float() + torch.randn(r.shape, generator=torch.Generator().manual_seed(1)) / 300
     out, be, n = _fused(t5, acc, x, ws, nw, up)
     assert n == 1
-    (tail,) = [t for t in be.graph_after.nodes if t.target is TAIL]
-    assert tail.args[0].meta["val"].dtype == torch.float32  # the latent itself, not rounded
-    assert tail.args[-1] == torch.bfloat16                  # norm_dtype
+    (tail,) = k3_calls(be.graph_after, "latent_moe_tail")
+    assert tail["routed_latent"].meta["val"].dtype == torch.float32  # the latent, not rounded
+    assert tail["norm_dtype"] == torch.bfloat16
     assert count_op(be.graph_after, torch.ops.aten.rsqrt.default) == 0
     with torch.no_grad():
         want = reference.latent_moe_tail(acc, x @ ws.T, nw, 1e-6, up, None, False,
@@ -206,7 +261,7 @@ def test_tail_with_row_padded_gemms_matches():
     out, be, n = _fused(fn, *args)
     pad, mm, sl = (torch.ops.aten.constant_pad_nd.default, torch.ops.aten.mm.default,
                    torch.ops.aten.slice.Tensor)
-    assert n == 1 and count_op(be.graph_after, TAIL) == 1
+    assert n == 1 and len(k3_calls(be.graph_after, "latent_moe_tail")) == 1
     assert [count_op(be.graph_before, op) for op in (pad, mm, sl)] == [2, 2, 2]
     assert [count_op(be.graph_after, op) for op in (pad, mm, sl)] == [1, 1, 1]
     assert count_op(be.graph_after, torch.ops.aten.rsqrt.default) == 0
@@ -245,7 +300,7 @@ def test_residual_add_is_not_a_tail():
     for fn, args in ((residual, (x, r, nw, up)), (residual_after_proj, (x, x, ws, r, nw, up))):
         out, be, n = _fused(fn, *args)
         assert n == 0
-        assert count_op(be.graph_after, TAIL) == 0
+        assert not k3_calls(be.graph_after, "latent_moe_tail")
         with torch.no_grad():
             torch.testing.assert_close(out, fn(*args))
 
@@ -444,7 +499,7 @@ def _near_misses_on_rank(rank: int, world: int, group) -> dict:
             want = fn(r, s)
         result[fn.__name__] = dict(
             matches=k3fusion.match_counts().get("moe_tail", 0),
-            tail_ops=count_op(be.graph_after, TAIL),
+            tail_ops=len(k3_calls(be.graph_after, "latent_moe_tail")),
             equal=bool(torch.equal(out, want)),
             # how far the fused (summed) tail would be: the near miss must be a real one
             summed_err=float((want - reference.latent_moe_tail(

@@ -363,6 +363,33 @@ def _(ctx, payloads):
         assert p == dict(unchanged=True, same=True, own_cols_written=True), f"rank {r}: {p}"
 
 
+@case("donate-routed")
+def _run_donate_routed(ctx):
+    # donate_routed: the unfused tiers all-reduce the routed partial in place (no copy for
+    # the functional collective); the result is the same, and without the flag the
+    # caller's partial is untouched.
+    out = {}
+    for tier in ("column_parallel", "replicated", "allreduce_overlap"):
+        x, s = partials(81, ctx.rank, (5,), 64, torch.float32)
+        norm_w, up_w = weights(81, 64, torch.float32)
+        kept, summed = x.clone(), reference.all_reduce(x.clone(), ctx.group)
+        y_keep = moe_tail.latent_moe_tail(x, s, norm_w, EPS, up_w, ctx.group, tier=tier)
+        unchanged = torch.equal(x, kept)
+        y_donate = moe_tail.latent_moe_tail(x, s, norm_w, EPS, up_w, ctx.group, tier=tier,
+                                            donate_routed=True)
+        out[tier] = dict(unchanged=unchanged, same=torch.equal(y_keep, y_donate),
+                         reduced_in_place=torch.equal(x, summed))
+    return out
+
+
+@_run_donate_routed.check
+def _(ctx, payloads):
+    for r, p in enumerate(payloads):
+        for tier, got in p.items():
+            assert got == dict(unchanged=True, same=True, reduced_in_place=True), \
+                f"rank {r} {tier}: {got}"
+
+
 @case("column-parallel-fused-shard")
 def _run_fused_shard(ctx):
     # Up to COLUMN_FUSED_MAX_TOKENS 16-bit tokens the tier runs its shard through the fused
@@ -578,6 +605,44 @@ def test_registered_tail_fusion_is_selected_at_small_t():
     finally:
         moe_tail.unregister_tail_fusion("test-cpu-tp1")
     assert "test-cpu-tp1" not in {i.name for i in moe_tail.tail_fusion_impls()}
+
+
+def test_a_donated_shared_goes_to_implementations_that_take_out():
+    """``takes_out=True``: with ``donate_shared=True`` the implementation gets ``out=shared``
+    (and the result is that tensor); without the flag, or for an implementation without
+    ``takes_out``, no ``out`` at all."""
+    seen = []
+
+    def run(r, s, w, eps, up, group, wf, out=None):
+        seen.append(out)
+        y = reference.latent_moe_tail(r, s, w, eps, up)
+        return y if out is None else out.copy_(y)
+
+    def run_plain(r, s, w, eps, up, group, wf, **kw):
+        seen.append(kw.get("out"))
+        return reference.latent_moe_tail(r, s, w, eps, up)
+
+    x, s = partials(2, 0, (3,), 64, torch.float32)
+    w, up = weights(2, 64, torch.float32)
+    want = reference.latent_moe_tail(x, s, w, EPS, up)
+    for name, fn, takes in (("test-out", run, True), ("test-no-out", run_plain, False)):
+        moe_tail.register_tail_fusion(moe_tail.TailFusionImpl(
+            name, lambda t, h, tp, dev: None, fn, ("cpu",), takes_out=takes))
+        try:
+            for donate in (False, True):
+                seen.clear()
+                mine = s.clone()
+                y = moe_tail.latent_moe_tail(x, mine, w, EPS, up, tier="tail_fusion",
+                                             donate_shared=donate)
+                assert torch.equal(y, want)
+                wrote = donate and takes
+                assert len(seen) == 1, (name, donate)
+                assert (seen[0] is not None and seen[0].data_ptr() == mine.data_ptr()) == wrote
+                assert wrote or seen[0] is None
+                assert (y.data_ptr() == mine.data_ptr()) == wrote
+                assert wrote or torch.equal(mine, s)
+        finally:
+            moe_tail.unregister_tail_fusion(name)
 
 
 def test_implementation_selection_limit():

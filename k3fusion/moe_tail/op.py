@@ -104,6 +104,50 @@ def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False
     return y
 
 
+@torch.library.custom_op("k3fusion::latent_moe_tail_", mutates_args=("routed_latent", "shared"))
+def latent_moe_tail_inplace_op(
+    routed_latent: torch.Tensor,
+    shared: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    up_w: torch.Tensor,
+    group_name: Optional[str],
+    weight_in_fp32: bool = False,
+    eps_tensor: Optional[torch.Tensor] = None,
+    norm_dtype: Optional[torch.dtype] = None,
+) -> None:
+    """:func:`latent_moe_tail_op` with its result written into ``shared`` (the argument
+    rules give it the result's dtype); ``routed_latent`` is clobbered (all-reduced in place
+    at tp > 1).
+    What the graph pass inserts, through ``auto_functionalized``, so that Inductor passes
+    the partials in place where nothing reads them afterwards and clones them where
+    something does: the tiers then take both as donated (no copy of their own)."""
+    raise NotImplementedError(
+        f"k3fusion::latent_moe_tail_ has no kernel for {shared.device.type}")
+
+
+@latent_moe_tail_inplace_op.register_fake
+def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
+      eps_tensor=None, norm_dtype=None):
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
+                weight_in_fp32)
+
+
+@latent_moe_tail_inplace_op.register_kernel(("cpu", "cuda"))
+def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
+      eps_tensor=None, norm_dtype=None):
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
+                weight_in_fp32)
+    eps = eps_value(eps, eps_tensor, "eps_tensor")
+    y = tiers.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
+                              resolve_group(group_name), weight_in_fp32=weight_in_fp32,
+                              norm_dtype=norm_dtype, donate_shared=True, donate_routed=True)
+    # The tiers that accumulate into a donated partial return it; the others a new tensor.
+    if not (y.data_ptr() == shared.data_ptr() and y.stride() == shared.stride()
+            and y.shape == shared.shape):
+        shared.copy_(y)
+
+
 def _tail_formula(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
                   eps_tensor=None, norm_dtype=None):
     if group_name is not None:

@@ -73,6 +73,8 @@ class TailFusionImpl:
     ``select_max_tokens``: the largest T at which automatic selection picks it -- its
     measured crossover against the other tiers (None: up to ``fused_tail_max_tokens``);
     it still runs any T its ``supports`` accepts when the tier is forced.
+    ``takes_out``: ``run`` also takes ``out=``, a donated ``shared`` to write the result
+    into in place (then it returns ``out``).
     """
 
     name: str
@@ -80,6 +82,7 @@ class TailFusionImpl:
     run: Callable[..., torch.Tensor]
     device_types: Optional[tuple[str, ...]] = None
     select_max_tokens: Optional[int] = None
+    takes_out: bool = False
 
 
 _TAIL_FUSION_IMPLS: list[TailFusionImpl] = []
@@ -288,27 +291,39 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.trigger_wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype):
+def _reduced_latent(routed, group, donate_routed: bool = False):
+    """``all_reduce(routed)``: in place on a donated partial in eager calls (no copy for
+    the functional collective to make), else functional."""
+    if donate_routed and group is not None and not torch.compiler.is_compiling():
+        import torch.distributed as dist
+
+        dist.all_reduce(routed, group=group)
+        return routed
+    return reference.all_reduce(routed, group)
+
+
+def _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype,
+                   donate_routed: bool = False):
     """The unfused tiers' ``rms_norm(all_reduce(routed))``. On CUDA the norm is
     ``k3fusion::rms_norm``: one Triton launch, where the reference's eager sequence is
     about eight kernels (docs/experiments.md, "kernels/rms_norm.py"); it agrees with the
     reference within the fp32 sum's order.
     Under torch.compile (Inductor fuses the norm itself) and on CPU: the reference's ops,
     bit for bit."""
-    x = reference.all_reduce(routed, group)
+    x = _reduced_latent(routed, group, donate_routed)
     if x.is_cuda and not torch.compiler.is_compiling():
         return torch.ops.k3fusion.rms_norm(x, norm_w, eps, weight_in_fp32, norm_dtype)
     return reference.rms_norm(x, norm_w, eps, weight_in_fp32, norm_dtype)
 
 
 def _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
-                donate_shared):
+                donate_shared, donate_routed=False):
     # The reference's op sequence (on CPU bit for bit), the norm as above; tp = 1 on CUDA
     # adds in cuBLAS's epilogue instead (_norm_then_beta_add).
     if group is None and routed.is_cuda and not torch.compiler.is_compiling():
         return _norm_then_beta_add(routed, shared, norm_w, eps, up_w, weight_in_fp32,
                                    norm_dtype, donate_shared)
-    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
+    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype, donate_routed)
     return reference.all_reduce(shared, group) + h @ up_w.T
 
 
@@ -342,7 +357,7 @@ def _side_stream(device: torch.device):
 
 
 def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
-             donate_shared):
+             donate_shared, donate_routed=False):
     if group is None:  # tp=1: no all-reduce to hide; the replicated form is the whole tail
         return _replicated(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
                            donate_shared)
@@ -354,7 +369,8 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtyp
         with torch.cuda.stream(side):
             shared_sum = _wait(_all_reduce_async(shared, group))
             done.record(side)
-        h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
+        h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype,
+                           donate_routed)
         up = h @ up_w.T                # overlaps the shared all-reduce
         main.wait_event(done)
         shared_sum.record_stream(main)  # allocated on the side stream, released on main
@@ -362,13 +378,13 @@ def _overlap(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtyp
     # CPU / traced: issue the shared all-reduce first and wait for it only after the GEMM
     # (gloo runs it on its worker threads meanwhile; a trace leaves placement to Inductor).
     pending = _all_reduce_async(shared, group)
-    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
+    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype, donate_routed)
     up = h @ up_w.T
     return _wait(pending) + up
 
 
 def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
-                     donate_shared):
+                     donate_shared, donate_routed=False):
     tp, rank = tp_size_and_rank(group)
     hidden = shared.shape[-1]
     shard = hidden // tp
@@ -377,7 +393,7 @@ def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, n
     if _fused_shard(routed, up_w, tp):
         # The tail kernel on this rank's columns, in place on the donated partial or into
         # a new buffer the same launch copies the partial's other columns into.
-        x = reference.all_reduce(routed, group)
+        x = _reduced_latent(routed, group, donate_routed)
         out = kernels.moe_tail.latent_moe_tail_fused(
             x, shared, norm_w, eps, up_shard, out=shared if donate_shared else None,
             column_offset=start, weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype)
@@ -385,7 +401,7 @@ def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, n
     # The caller's partial is written only when donated; otherwise a private copy is.
     out = shared if donate_shared else shared.clone(memory_format=torch.contiguous_format)
     cols = out.narrow(-1, start, shard)
-    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype)
+    h = _normed_latent(routed, group, norm_w, eps, weight_in_fp32, norm_dtype, donate_routed)
     # Beta-add epilogue: out[:, cols] = out[:, cols] + h @ up_w[cols].T.
     cols.addmm_(h, up_shard.t())
     # One all-reduce sums the ranks' partials and stitches the column shards.
@@ -429,7 +445,7 @@ def _all_reduce_owned(out: torch.Tensor, group) -> torch.Tensor:
 
 
 def _tail_fusion(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
-                 donate_shared):
+                 donate_shared, donate_routed=False):
     tp, _ = tp_size_and_rank(group)
     facts = (routed.shape[0], shared.shape[-1], tp, shared.device)
     # The implementation automatic selection chose (its select_max_tokens admits T); a
@@ -439,10 +455,10 @@ def _tail_fusion(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_
         impl, why = _tail_fusion_impl(*facts)
     if impl is None:  # selection checked this; a registry change in between lands here
         raise TierUnavailableError(f"tail_fusion: {why}")
-    if norm_dtype is None:
-        return impl.run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32)
-    return impl.run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32,
-                    norm_dtype=norm_dtype)
+    kw = {} if norm_dtype is None else {"norm_dtype": norm_dtype}
+    if donate_shared and impl.takes_out:
+        kw["out"] = shared
+    return impl.run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, **kw)
 
 
 _IMPLS = {
@@ -469,6 +485,7 @@ def run_latent_moe_tail(
     tier=None,
     config: FusionConfig | None = None,
     donate_shared: bool = False,
+    donate_routed: bool = False,
 ) -> tuple[torch.Tensor, Tier]:
     """:func:`latent_moe_tail`, also returning the tier that ran."""
     check_latent_moe_tail_args(routed_latent, shared, norm_w, eps, up_w, norm_dtype,
@@ -488,7 +505,7 @@ def run_latent_moe_tail(
         if not torch.compiler.is_compiling():
             _record(chosen, why, tokens, hidden, tp, config)
     y = _IMPLS[chosen](routed2, shared2, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype,
-                       donate_shared)
+                       donate_shared, donate_routed)
     return y.reshape(*lead, hidden), chosen
 
 
@@ -505,6 +522,7 @@ def latent_moe_tail(
     tier=None,
     config: FusionConfig | None = None,
     donate_shared: bool = False,
+    donate_routed: bool = False,
 ) -> torch.Tensor:
     """``all_reduce(shared) + rms_norm(all_reduce(routed_latent), norm_w, eps) @ up_w.T``
     through the tier :func:`select_tier` picks for this call's token count.
@@ -516,11 +534,12 @@ def latent_moe_tail(
     normalized latent (cast-then-weight) when it is not the latent's own dtype
     (``k3fusion.reference.rms_norm``).
 
-    Inputs are never modified unless ``donate_shared=True``: then the column-parallel
-    tier, and at tp = 1 on CUDA the replicated and overlap tiers, may accumulate into
-    ``shared`` in place instead of into a copy (pass it when
-    ``shared`` is a temporary the caller no longer needs). Every rank of ``group`` must
-    make the call with the same T and config. Returns ``[..., H]``, equal on all ranks.
+    Inputs are never modified unless donated (pass a flag when that tensor is a temporary
+    the caller no longer needs): with ``donate_shared=True`` the column-parallel tier, and
+    at tp = 1 on CUDA the replicated and overlap tiers and the fused-tail implementations
+    that take ``out=``, may write into ``shared`` in place instead of into a copy; with ``donate_routed=True`` the tiers may all-reduce
+    ``routed_latent`` in place (tp > 1, eager calls). Every rank of ``group`` must make the
+    call with the same T and config. Returns ``[..., H]``, equal on all ranks.
 
     Under torch.compile the config must already be loaded (any eager call, or
     :func:`k3fusion.get_config`, before compiling; :class:`k3fusion.eager.MoETailRunner`
@@ -529,7 +548,7 @@ def latent_moe_tail(
     return run_latent_moe_tail(routed_latent, shared, norm_w, eps, up_w, group,
                                weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype,
                                tier=tier, config=config,
-                               donate_shared=donate_shared)[0]
+                               donate_shared=donate_shared, donate_routed=donate_routed)[0]
 
 
 # ---------------------------------------------------------------------- the Triton kernel
@@ -548,12 +567,13 @@ def _triton_supports(tokens: int, hidden: int, tp: int, device: torch.device) ->
     return None
 
 
-def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype=None):
+def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_dtype=None,
+                out=None):
     # tp == 1 (supports() said so): a one-rank group's all-reduces are identities. The
     # launcher is looked up per call: the tests spy on the module's attribute.
     return kernels.moe_tail.latent_moe_tail_fused(routed, shared, norm_w, eps, up_w,
                                                   weight_in_fp32=weight_in_fp32,
-                                                  norm_dtype=norm_dtype)
+                                                  norm_dtype=norm_dtype, out=out)
 
 
 #: Largest T at which selection picks the tp = 1 kernel over the two-launch unfused form
@@ -561,4 +581,5 @@ def _triton_run(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, norm_d
 TRITON_SELECT_MAX_TOKENS = 32
 
 register_tail_fusion(TailFusionImpl("triton", _triton_supports, _triton_run, ("cuda",),
-                                    select_max_tokens=TRITON_SELECT_MAX_TOKENS))
+                                    select_max_tokens=TRITON_SELECT_MAX_TOKENS,
+                                    takes_out=True))
