@@ -179,8 +179,15 @@ JOINT_COUNTS = "k3fusion_joint_counts"
 
 
 def _first_fused_op(graph: Graph) -> Node | None:
+    """The first call of a k3fusion op, directly or under ``auto_functionalized`` (the
+    tail's in-place form)."""
+    def op(n):
+        if n.target is torch.ops.higher_order.auto_functionalized:
+            return n.args[0]
+        return n.target
+
     return next((n for n in graph.nodes if n.op == "call_function"
-                 and getattr(n.target, "namespace", None) == "k3fusion"), None)
+                 and getattr(op(n), "namespace", None) == "k3fusion"), None)
 
 
 def _record_joint_counts(graph: Graph) -> None:

@@ -583,9 +583,17 @@ def test_launch_config_takes_the_gemv_form_for_one_16_bit_token():
 # ============================================================================ bad arguments
 
 
+def _randn(*shape, **kw):  # on the machine's device: the argument checks run before launch
+    return torch.randn(*shape, device=DEVICE, **kw)
+
+
+def _rand(*shape, **kw):
+    return torch.rand(*shape, device=DEVICE, **kw)
+
+
 def _good():
-    return dict(routed_latent=torch.randn(4, 40), shared=torch.randn(4, 24),
-                norm_w=torch.rand(40) + 0.5, eps=1e-6, up_w=torch.randn(24, 40))
+    return dict(routed_latent=_randn(4, 40), shared=_randn(4, 24),
+                norm_w=_rand(40) + 0.5, eps=1e-6, up_w=_randn(24, 40))
 
 
 @pytest.mark.parametrize(
@@ -597,26 +605,26 @@ def _good():
         (dict(eps=-1.0), ValueError, "eps must be finite"),
         (dict(eps=float("nan")), ValueError, "eps must be finite"),
         (dict(weight_in_fp32=1), TypeError, "weight_in_fp32 must be a bool"),
-        (dict(routed_latent=torch.randn(40)), ValueError, "routed_latent must be 2-D"),
-        (dict(shared=torch.randn(1, 4, 24)), ValueError, "shared must be 2-D"),
-        (dict(norm_w=torch.rand(1, 40)), ValueError, "norm_w must be 1-D"),
-        (dict(routed_latent=torch.randn(MAX_TOKENS + 1, 40), shared=torch.randn(MAX_TOKENS + 1, 24)),
+        (dict(routed_latent=_randn(40)), ValueError, "routed_latent must be 2-D"),
+        (dict(shared=_randn(1, 4, 24)), ValueError, "shared must be 2-D"),
+        (dict(norm_w=_rand(1, 40)), ValueError, "norm_w must be 1-D"),
+        (dict(routed_latent=_randn(MAX_TOKENS + 1, 40), shared=_randn(MAX_TOKENS + 1, 24)),
          ValueError, f"T={MAX_TOKENS + 1}.*at most {MAX_TOKENS}"),
-        (dict(norm_w=torch.rand(39)), ValueError, "norm_w has 39"),
-        (dict(up_w=torch.randn(24, 41)), ValueError, "up_w is"),
-        (dict(shared=torch.randn(4, 23)), ValueError, "shared must be"),
-        (dict(shared=torch.randn(3, 24)), ValueError, "shared must be"),
-        (dict(routed_latent=torch.randn(4, 0), norm_w=torch.rand(0), up_w=torch.randn(24, 0)),
+        (dict(norm_w=_rand(39)), ValueError, "norm_w has 39"),
+        (dict(up_w=_randn(24, 41)), ValueError, "up_w is"),
+        (dict(shared=_randn(4, 23)), ValueError, "shared must be"),
+        (dict(shared=_randn(3, 24)), ValueError, "shared must be"),
+        (dict(routed_latent=_randn(4, 0), norm_w=_rand(0), up_w=_randn(24, 0)),
          ValueError, "L = 0"),
-        (dict(up_w=torch.randn(0, 40), shared=torch.randn(4, 0)), ValueError, "H = 0"),
-        (dict(routed_latent=torch.randn(4, 80)[:, ::2]), ValueError, "routed_latent must be contiguous"),
-        (dict(shared=torch.randn(4, 48)[:, ::2]), ValueError, "shared must be contiguous"),
-        (dict(up_w=torch.randn(40, 24).t()), ValueError, "up_w must be contiguous"),
-        (dict(norm_w=torch.rand(80)[::2]), ValueError, "norm_w must be contiguous"),
-        (dict(routed_latent=torch.randn(4, 40, dtype=torch.float64)), TypeError, "routed_latent must be float32"),
-        (dict(norm_w=torch.rand(40).to(torch.int32)), TypeError, "norm_w must be float32"),
-        (dict(up_w=torch.randn(24, 40, dtype=torch.bfloat16)), TypeError, "dtypes must agree"),
-        (dict(shared=torch.randn(4, 24, dtype=torch.float16)), TypeError, "dtypes must agree"),
+        (dict(up_w=_randn(0, 40), shared=_randn(4, 0)), ValueError, "H = 0"),
+        (dict(routed_latent=_randn(4, 80)[:, ::2]), ValueError, "routed_latent must be contiguous"),
+        (dict(shared=_randn(4, 48)[:, ::2]), ValueError, "shared must be contiguous"),
+        (dict(up_w=_randn(40, 24).t()), ValueError, "up_w must be contiguous"),
+        (dict(norm_w=_rand(80)[::2]), ValueError, "norm_w must be contiguous"),
+        (dict(routed_latent=_randn(4, 40, dtype=torch.float64)), TypeError, "routed_latent must be float32"),
+        (dict(norm_w=_rand(40).to(torch.int32)), TypeError, "norm_w must be float32"),
+        (dict(up_w=_randn(24, 40, dtype=torch.bfloat16)), TypeError, "dtypes must agree"),
+        (dict(shared=_randn(4, 24, dtype=torch.float16)), TypeError, "dtypes must agree"),
         (dict(up_w=torch.randn(24, 40, device="meta")), ValueError, "up_w is on meta"),
         (dict(block_n=24), ValueError, "block_n must be a power of two"),
         (dict(block_n=512), ValueError, "block_n must be 0"),
@@ -638,9 +646,9 @@ def test_argument_errors(change, exc, match):
 def test_weight_in_fp32_dtype_rule():
     """bf16 input, fp32 weight: cast-then-weight gives fp32 (fp32 up_w/shared), the
     weight-in-fp32 form bf16 (bf16 up_w/shared); the other pairing is refused."""
-    x = torch.randn(2, 40, dtype=torch.bfloat16)
-    w = torch.rand(40) + 0.5
-    s16, up16 = torch.randn(2, 24, dtype=torch.bfloat16), torch.randn(24, 40, dtype=torch.bfloat16)
+    x = _randn(2, 40, dtype=torch.bfloat16)
+    w = _rand(40) + 0.5
+    s16, up16 = _randn(2, 24, dtype=torch.bfloat16), _randn(24, 40, dtype=torch.bfloat16)
     assert launch(x, s16, w, 1e-6, up16, weight_in_fp32=True).dtype == torch.bfloat16
     assert launch(x, s16.float(), w, 1e-6, up16.float()).dtype == torch.float32
     with pytest.raises(TypeError, match="weight_in_fp32=False.*gives torch.float32"):

@@ -171,6 +171,19 @@ def test_tail_writes_into_its_partials_only_where_nothing_reads_them_after(fn, c
         torch.testing.assert_close(out, fn(*args), rtol=tol, atol=tol)
 
 
+def test_a_training_compile_counts_a_tail_on_its_in_place_node():
+    """A training compile's counts ride on the first fused op of the joint graph into the
+    forward's post-grad pass (pass_manager._first_fused_op); the tail's in-place form under
+    ``auto_functionalized`` is one such op."""
+    from k3fusion.pass_manager import _first_fused_op
+
+    _, be, n = _fused(_both_computed, *_inputs(dtype=torch.bfloat16))
+    assert n == 1
+    node = _first_fused_op(be.graph_after)
+    assert node is not None and node.target is torch.ops.higher_order.auto_functionalized
+    assert node.args[0] is torch.ops.k3fusion.latent_moe_tail_.default
+
+
 def test_inplace_op_writes_the_functional_result_into_shared():
     r, x, ws, nw, up = _inputs(dtype=torch.bfloat16)
     shared = x @ ws.T

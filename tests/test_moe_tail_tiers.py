@@ -406,6 +406,7 @@ def _run_fused_shard(ctx):
                 p = _tail(ctx, 90 + t, (t,), 96, dtype, tier="column_parallel")
             p["fused_calls"] = len(calls)
             p["offsets"] = calls
+            p["interpreted"] = moe_tail.tiers.kernels.moe_tail.kernels_are_interpreted()
             out[(str(dtype), t)] = p
     return out
 
@@ -416,7 +417,8 @@ def _(ctx, payloads):
     for key in payloads[0]:
         t = key[1]
         for r, p in enumerate(payloads):
-            want = 1 if t <= top else 0
+            # (a CUDA machine runs no interpreter: the CPU ranks keep the unfused shard there)
+            want = 1 if t <= top and p[key]["interpreted"] else 0
             assert p[key]["fused_calls"] == want, (
                 f"rank {r} {key}: {p[key]['fused_calls']} fused launches, expected {want}")
             want = [r * 96 // len(payloads)] * p[key]["fused_calls"]
@@ -760,6 +762,9 @@ def test_tp1_tiers_match_reference(tier, lead, dtype):
         assert torch.equal(y, reference.latent_moe_tail(x, s0, w, EPS, up))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU tensors through the interpreter's norm kernel (a CUDA machine "
+                           "runs the compiled kernels: test_moe_tail_kernel's cuda tests)")
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("lead", [(0,), (1,), (17,)])
 @pytest.mark.parametrize("norm_form", ["bf16", "weight_in_fp32", "fp32_latent_norm_dtype"])
