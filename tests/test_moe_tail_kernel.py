@@ -981,6 +981,62 @@ def test_bench_markdown_and_plot(tmp_path):
     assert (tmp_path / "moe_tail.png").stat().st_size > 0
 
 
+_SHARD_SCRIPT = r"""
+import json, os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from k3fusion import moe_tail
+from k3fusion.bench import moe_tail as bench
+bench.DEVICE, bench.LATENT, bench.HIDDEN = "cpu", 40, 64
+moe_tail.tiers.SHARD_KERNEL_ON_CPU = True  # the shard through the interpreted kernel
+launches = []
+real = moe_tail.tiers.kernels.moe_tail.latent_moe_tail_fused
+def spy(*a, **k):
+    launches.append(k.get("column_offset"))
+    return real(*a, **k)
+moe_tail.tiers.kernels.moe_tail.latent_moe_tail_fused = spy
+calls = []
+def timer(fn, sets):
+    calls.append(len(sets))
+    fn(*sets[0])
+    return 1.0
+rows = bench.run_shard([1, 5], 4, timer=timer)
+assert not torch.distributed.is_initialized()  # the group it started is gone
+try:
+    bench.run_shard([1], 3, timer=timer)
+except ValueError as e:
+    refused = str(e)
+print(json.dumps(dict(rows=rows, launches=launches, calls=calls, refused=refused,
+                      md=bench.markdown(dict(rows=[], tp_rows=[], tps=[], shard_rows=rows,
+                                             latent=40, hidden=64, dtype="bfloat16",
+                                             gpu="cpu", date="d", torch="t",
+                                             triton="t")))))
+"""
+
+
+def test_bench_shard_part_checks_and_times_the_tier_variants():
+    """Part (c), a CPU dry run (in a process of its own: the fake group is process-wide):
+    rank 0 of a fake group of 4 runs the column-parallel tier, its shard through the
+    (interpreted) tail kernel at column 0 -- as it runs, with donated partials -- and
+    unfused; each variant checked against the reference, then timed; the table."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(row["T"], row["tp"]) for row in r["rows"]] == [(1, 4), (5, 4)]
+    for row in r["rows"]:
+        assert (row["tier_us"], row["tier_donated_us"], row["unfused_us"]) == (1.0, 1.0, 1.0)
+    # per T: fused check + timing, donated check + timing; the unfused variant none
+    assert r["launches"] == [0] * 8 and len(r["calls"]) == 6
+    assert "does not divide H = 64" in r["refused"]
+    assert "(c) One rank's column-parallel tier at tp = 4" in r["md"]
+    assert "| 1 | 1.00 | 1.00 | 1.00 |" in r["md"]
+
+
 def test_bench_arguments(monkeypatch):
     from k3fusion.bench import moe_tail as bench
 
@@ -991,6 +1047,12 @@ def test_bench_arguments(monkeypatch):
     assert args.sweep_only and args.tokens == [1, 16] and args.tp_tokens == []
     with pytest.raises(SystemExit, match="--tp-tokens values must be >= 1"):
         bench.main(["--tp-tokens", "0"])
+    assert (args.shard_tokens, args.shard_tp) == ([1, 2, 4, 8, 16, 32], 8)
+    with pytest.raises(SystemExit, match="--shard-tokens values must be >= 1"):
+        bench.main(["--shard-tokens", "0"])
+    for bad in ("1", "5"):
+        with pytest.raises(SystemExit, match="--shard-tp must be >= 2 and divide H"):
+            bench.main(["--shard-tp", bad])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--out", "unused"])

@@ -16,7 +16,7 @@ import torch._inductor.config as inductor_config
 import triton
 
 __all__ = ["hf_rms_norm", "compile_uncached", "environment", "base_parser", "write_results",
-           "plot_series"]
+           "plot_series", "fake_tp_group"]
 
 
 def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,3 +98,19 @@ def plot_series(result: dict, series: list[tuple[str, str]], title: str, path: P
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def fake_tp_group(n: int):
+    """A process group of ``n`` ranks in this one process, this process rank 0 (torch's
+    fake backend: every collective returns at once and moves nothing). Started once;
+    RuntimeError if another default group is running."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    backend, world = dist.get_backend(), dist.get_world_size()
+    if backend != "fake" or world != n:
+        raise RuntimeError(f"this benchmark needs a fake process group of {n} ranks; this "
+                           f"process runs a {backend!r} group of {world}")
+    return dist.group.WORLD

@@ -44,7 +44,7 @@ import k3fusion
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 from k3fusion.models.kimi_k3 import count_attn_res_sites, count_latent_moe_layers, count_mla_layers
 
-from .common import environment, write_results
+from .common import environment, fake_tp_group, write_results
 from .timing import call_loop_us, cuda_graph_us
 
 __all__ = ["stack_config", "block_size_for", "build_model", "stack_inputs", "weight_bytes",
@@ -118,22 +118,6 @@ def rank_view(config, n: int, experts: bool = True):
         return config.replace(num_heads=config.num_heads // n)
     return config.replace(num_heads=config.num_heads // n,
                           moe_intermediate_size=config.moe_intermediate_size // n)
-
-
-def fake_tp_group(n: int):
-    """A process group of ``n`` ranks in this one process, this process rank 0 (torch's
-    fake backend: every collective returns at once and moves nothing). Started once;
-    RuntimeError if another default group is running."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
-    backend, world = dist.get_backend(), dist.get_world_size()
-    if backend != "fake" or world != n:
-        raise RuntimeError(f"--fake-tp {n} needs a fake process group of {n} ranks; this "
-                           f"process runs a {backend!r} group of {world}")
-    return dist.group.WORLD
 
 
 def build_model(config, seed: int, device: torch.device | str, tp_group=None):

@@ -1,15 +1,18 @@
 """Benchmark the latent-MoE tail on one GPU (needs CUDA).
 
 ``python -m k3fusion.bench.moe_tail [--out DIR] [--tokens T ...] [--sweep | --sweep-only]
-[--tp-tokens T ...] [--tps TP ...] [--peers DIR]``
+[--tp-tokens T ...] [--tps TP ...] [--shard-tokens T ...] [--shard-tp TP] [--peers DIR]``
 
 At Kimi-K3's widths, bf16, under CUDA-graph replay against the HBM floor: (a) the tp = 1
 tail ``shared + rms_norm(routed) @ up_w.T`` -- eager, default Inductor, the fused kernel,
 the op, the model form compiled with and without ``backend="k3fusion"``, and each peer
 kernel of ``--peers`` (:mod:`k3fusion.bench.peers`), each checked against the reference first; ``--sweep`` also times the kernel's launch configs (to choose
 ``kernels.moe_tail.pick_launch_config``); (b) one rank's column-parallel up-projection GEMM
-against the replicated one. Writes ``moe_tail.json``, ``moe_tail.md`` and ``moe_tail.png``
-to ``--out``.
+against the replicated one; (c) one rank's column-parallel tier at decode T, in a fake
+process group of ``--shard-tp`` ranks (collectives move nothing and are not timed): its
+shard through the tail kernel as it runs, with the partials donated as compiled graphs
+pass them, and unfused (norm launch, copy, cuBLAS ``addmm_``). Writes ``moe_tail.json``,
+``moe_tail.md`` and ``moe_tail.png`` to ``--out``.
 
 How it measures (the variants, the floor, the sweep's grid):
 docs/bench-methods.md, section "``python -m k3fusion.bench.moe_tail``".
@@ -17,6 +20,7 @@ docs/bench-methods.md, section "``python -m k3fusion.bench.moe_tail``".
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import replace
 from pathlib import Path
@@ -24,13 +28,14 @@ from pathlib import Path
 import torch
 
 import k3fusion
-from k3fusion import reference
+from k3fusion import moe_tail, reference
 from k3fusion.kernels.moe_tail import (MAX_TOKENS, LaunchConfig, block_m_for, gemv_block_k,
                                        num_sms, resolve_config, pick_launch_config)
 from k3fusion.kernels.moe_tail import latent_moe_tail_fused as launch
 
 from . import peers as peer_kernels
-from .common import base_parser, compile_uncached, environment, hf_rms_norm, write_results
+from .common import (base_parser, compile_uncached, environment, fake_tp_group, hf_rms_norm,
+                     write_results)
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
 TOKENS = (1, 4, 8, 16, 32, 64)
@@ -41,6 +46,8 @@ SWEEP_GEMV_WARPS = (4, 8)
 SWEEP_GEMV_STAGES = (2, 3, 4)
 TP_TOKENS = (512, 4096, 16384)
 TPS = (2, 4, 8)
+SHARD_TOKENS = (1, 2, 4, 8, 16, 32)
+SHARD_TP = 8
 LATENT, HIDDEN, SHARED_INTER = 3584, 7168, 2048
 EPS = 1e-6
 #: The column peers are compared with: the op (its tier for T), called directly as a peer is.
@@ -296,12 +303,74 @@ def run_tp(tokens=TP_TOKENS, tps=TPS) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def run_shard(tokens=SHARD_TOKENS, tp: int = SHARD_TP, timer=cuda_graph_us) -> list[dict]:
+    """(c): rank 0 of a fake group of ``tp`` ranks runs the column-parallel tier (its
+    ``H / tp`` columns of ``up_w``); each variant checked first (with collectives that move
+    nothing, the rank's columns hold ``shared + h @ up_w[cols].T`` and the rest ``shared``)."""
+    if HIDDEN % tp:
+        raise ValueError(f"--shard-tp {tp} does not divide H = {HIDDEN}")
+    started = not torch.distributed.is_initialized()
+    group = fake_tp_group(tp)
+    try:
+        return _shard_rows(tokens, tp, group, timer)
+    finally:
+        if started:  # the benchmarks after this one in the process (`k3fusion bench`)
+            torch.distributed.destroy_process_group()
+
+
+def _shard_rows(tokens, tp: int, group, timer) -> list[dict]:
+    shard = HIDDEN // tp
+    rows = []
+    for t in tokens:
+        nbytes = 2 * (shard * LATENT + t * LATENT + 2 * t * HIDDEN)
+        sets = [_tail_inputs(t) for _ in range(sets_to_outgrow_l2(nbytes))]
+        routed, shared, norm_w, up_w = sets[0]
+        want = shared.clone()
+        want[:, :shard] = reference.latent_moe_tail(routed, shared[:, :shard], norm_w, EPS,
+                                                    up_w[:shard])
+
+        def tier(routed, shared, norm_w, up_w, donate=False):
+            return moe_tail.latent_moe_tail(routed, shared, norm_w, EPS, up_w, group,
+                                            tier="column_parallel", donate_shared=donate,
+                                            donate_routed=donate)
+
+        def unfused():
+            return _patched(moe_tail.tiers, "COLUMN_FUSED_MAX_TOKENS", 0)
+
+        row = {"T": t, "tp": tp, "input_sets": len(sets), "floor_us": hbm_floor_us(nbytes)}
+        for key, ctx, donate in (("tier_us", contextlib.nullcontext, False),
+                                 ("tier_donated_us", contextlib.nullcontext, True),
+                                 ("unfused_us", unfused, False)):
+            with ctx():
+                _check(tier(*[a.clone() for a in sets[0]], donate=donate), want,
+                       f"T={t} {key}")
+                # donated: every call writes its partials, so on copies of them (timing only)
+                timed = [(r.clone(), s.clone(), w, u) for r, s, w, u in sets] if donate else sets
+                row[key] = timer(lambda *a, donate=donate: tier(*a, donate=donate), timed)
+        rows.append(row)
+        print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items()), flush=True)
+    return rows
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
 def run(tokens=TOKENS, sweep: bool = False, sweep_only: bool = False, tp_tokens=TP_TOKENS,
-        tps=TPS, peers=()) -> dict:
+        tps=TPS, peers=(), shard_tokens=SHARD_TOKENS, shard_tp: int = SHARD_TP) -> dict:
     rows = run_tail(tokens, sweep or sweep_only, variants=not sweep_only, peers=peers)
     tp_rows = [] if sweep_only else run_tp(tp_tokens, tps)
+    shard_rows = [] if sweep_only or not shard_tokens else run_shard(shard_tokens, shard_tp)
     return {"bench": "moe_tail", "latent": LATENT, "hidden": HIDDEN, "dtype": "bfloat16",
-            "rows": rows, "tp_rows": tp_rows, "tps": list(tps),
+            "rows": rows, "tp_rows": tp_rows, "tps": list(tps), "shard_rows": shard_rows,
             "peers": peer_kernels.sources(peers), **environment()}
 
 
@@ -371,6 +440,17 @@ def markdown(result: dict) -> str:
             cells = [f"{_f(r, f'tp{tp}_us')} ({_f(r, f'tp{tp}_speedup', '{:.2f}x')})"
                      for tp in tps]
             lines.append(f"| {r['T']} | {_f(r, 'replicated_us')} | " + " | ".join(cells) + " |")
+    shard_rows = result.get("shard_rows") or []
+    if shard_rows:
+        tp = shard_rows[0]["tp"]
+        lines += ["", f"(c) One rank's column-parallel tier at tp = {tp} (H/{tp} columns of "
+                  "`up_w`; a fake process group: collectives move nothing and are not "
+                  "timed), us:", "",
+                  "| T | tier | tier, partials donated | shard unfused | HBM floor |",
+                  "|---:|---:|---:|---:|---:|"]
+        for r in shard_rows:
+            lines.append(f"| {r['T']} | {_f(r, 'tier_us')} | {_f(r, 'tier_donated_us')} | "
+                         f"{_f(r, 'unfused_us')} | {_f(r, 'floor_us')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -420,6 +500,10 @@ def parser():
     p.add_argument("--tp-tokens", type=int, nargs="*", default=list(TP_TOKENS),
                    help="T of the column-parallel GEMM comparison (none: skip it)")
     p.add_argument("--tps", type=int, nargs="*", default=list(TPS))
+    p.add_argument("--shard-tokens", type=int, nargs="*", default=list(SHARD_TOKENS),
+                   help="decode T of one rank's column-parallel tier, part (c) (none: skip it)")
+    p.add_argument("--shard-tp", type=int, default=SHARD_TP,
+                   help="ranks of part (c)'s fake process group")
     return p
 
 
@@ -427,12 +511,15 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     peers = peer_kernels.from_args(p, args, "moe_tail")
-    for name in ("tokens", "tp_tokens", "tps"):
+    for name in ("tokens", "tp_tokens", "tps", "shard_tokens"):
         if any(v < 1 for v in getattr(args, name)):
             raise SystemExit(f"--{name.replace('_', '-')} values must be >= 1")
+    if args.shard_tp < 2 or HIDDEN % args.shard_tp:
+        raise SystemExit(f"--shard-tp must be >= 2 and divide H = {HIDDEN}, got {args.shard_tp}")
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU (none is visible here)")
-    result = run(args.tokens, args.sweep, args.sweep_only, args.tp_tokens, args.tps, peers)
+    result = run(args.tokens, args.sweep, args.sweep_only, args.tp_tokens, args.tps, peers,
+                 args.shard_tokens, args.shard_tp)
     write_results(args.out, "moe_tail", result, markdown(result), plot)
     return 0
 
