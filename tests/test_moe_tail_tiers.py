@@ -377,8 +377,23 @@ def _run_donate_routed(ctx):
         unchanged = torch.equal(x, kept)
         y_donate = moe_tail.latent_moe_tail(x, s, norm_w, EPS, up_w, ctx.group, tier=tier,
                                             donate_routed=True)
+        # Donated row views of wider buffers: a collective takes contiguous buffers only,
+        # so the tiers copy them as if not donated.
+        xv = torch.zeros(5, kept.shape[1] + 8)[:, :kept.shape[1]].copy_(kept)
+        sv = torch.zeros(5, 72)[:, :64].copy_(s)
+        y_views = moe_tail.latent_moe_tail(xv, sv, norm_w, EPS, up_w, ctx.group, tier=tier,
+                                           donate_routed=True, donate_shared=True)
         out[tier] = dict(unchanged=unchanged, same=torch.equal(y_keep, y_donate),
-                         reduced_in_place=torch.equal(x, summed))
+                         reduced_in_place=torch.equal(x, summed),
+                         views=torch.equal(y_views, y_keep))
+    # the in-place op (what compiled graphs run) on such views
+    x, s = partials(81, ctx.rank, (5,), 64, torch.float32)
+    want = moe_tail.latent_moe_tail(x, s, norm_w, EPS, up_w, ctx.group)
+    sv = torch.zeros(5, 72)[:, :64].copy_(s)
+    torch.ops.k3fusion.latent_moe_tail_(torch.zeros(5, x.shape[1] + 8)[:, :x.shape[1]].copy_(x),
+                                        sv, norm_w, EPS, up_w, ctx.group.group_name)
+    out["inplace-op"] = dict(unchanged=True, same=torch.equal(sv, want), reduced_in_place=True,
+                             views=True)
     return out
 
 
@@ -386,7 +401,8 @@ def _run_donate_routed(ctx):
 def _(ctx, payloads):
     for r, p in enumerate(payloads):
         for tier, got in p.items():
-            assert got == dict(unchanged=True, same=True, reduced_in_place=True), \
+            assert got == dict(unchanged=True, same=True, reduced_in_place=True,
+                               views=True), \
                 f"rank {r} {tier}: {got}"
 
 

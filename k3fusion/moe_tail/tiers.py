@@ -294,7 +294,9 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 def _reduced_latent(routed, group, donate_routed: bool = False):
     """``all_reduce(routed)``: in place on a donated partial in eager calls (no copy for
     the functional collective to make), else functional."""
-    if donate_routed and group is not None and not torch.compiler.is_compiling():
+    # (A collective takes a contiguous buffer: a donated row view is copied like any other.)
+    if (donate_routed and group is not None and routed.is_contiguous()
+            and not torch.compiler.is_compiling()):
         import torch.distributed as dist
 
         dist.all_reduce(routed, group=group)
@@ -390,6 +392,8 @@ def _column_parallel(routed, shared, norm_w, eps, up_w, group, weight_in_fp32, n
     shard = hidden // tp
     start = rank * shard
     up_shard = up_w.narrow(0, start, shard)
+    # The buffer the all-reduce runs on must be contiguous: a donated row view is not used.
+    donate_shared = donate_shared and shared.is_contiguous()
     if _fused_shard(routed, up_w, tp):
         # The tail kernel on this rank's columns, in place on the donated partial or into
         # a new buffer the same launch copies the partial's other columns into.
