@@ -536,6 +536,12 @@ def _check_out(out, shared, others, dtype) -> None:
                              "tensor that shares no memory with the inputs")
 
 
+def _counter_words(device: torch.device, size: int) -> torch.Tensor:
+    """Uninitialized int32 words for a launch's split-K counters, which the norm launch
+    before it zeroes."""
+    return torch.empty(max(size, 1), dtype=torch.int32, device=device)
+
+
 def _shard_of(shared, up_w, column_offset) -> torch.Tensor:
     """``column_offset``'s check, and the columns of ``shared [T, H]`` that ``up_w``'s
     rows produce (``shared`` as given where the argument check will refuse it)."""
@@ -658,8 +664,10 @@ def latent_moe_tail_fused(
     k_per_split = cdiv(cdiv(latent, cfg.block_k), cfg.split_k) * cfg.block_k
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, tokens, hidden), dtype=torch.float32, device=up_w.device)
-        # Every launch leaves the counters at 0 (the last arrival resets its tile's).
-        lock = launch_scratch(up_w.device, tiles * m_tiles, torch.int32)
+        # Zeroed words for this launch only (docs/design-notes.md, "Scratch memory"): by the
+        # norm launch where there is one (no memset launch of their own), else a memset.
+        lock = (_counter_words(up_w.device, tiles * m_tiles) if cfg.normed_rows
+                else launch_scratch(up_w.device, tiles * m_tiles, torch.int32))
     else:
         ws = lock = out  # never read
     rinv = out  # never read
@@ -672,7 +680,7 @@ def latent_moe_tail_fused(
         # The GEMM input as the reference rounds it, in up_w's dtype (L2-resident at decode).
         rows_in = torch.empty((tokens, latent), dtype=up_w.dtype, device=up_w.device)
         rms_norm(routed_latent, norm_w, eps, rows_in, bool(weight_in_fp32), norm_dtype,
-                 pdl_primary=pdl_on)
+                 pdl_primary=pdl_on, zero=lock if cfg.split_k > 1 else None)
     if cfg.prenorm:
         rinv = torch.empty(tokens, dtype=torch.float32, device=up_w.device)
         rows = 4  # rows per prologue program

@@ -76,6 +76,7 @@ def rms_norm_rows(
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, n_rows, x_row_stride, y_row_stride, n_cols, eps,
     src_ptr, dst_ptr, src_row_stride, dst_row_stride, n_copy_cols,
+    zero_ptr, n_zero,
     BLOCK_COLS: tl.constexpr,
     ROWS: tl.constexpr,
     WEIGHT_IN_FP32: tl.constexpr,
@@ -84,16 +85,23 @@ def _rms_norm_kernel(
     COPY_BLOCK: tl.constexpr,
     COPY_ROWS: tl.constexpr,
     PDL: tl.constexpr = False,
+    ZERO: tl.constexpr = False,
 ):
     """The first ``cdiv(n_rows, ROWS)`` programs normalize rows. With ``COPY`` the programs
     after them copy ``src [n_rows, n_copy_cols]`` into ``dst``, ``COPY_ROWS`` rows each: the
     tail's unfused tiers get the buffer cuBLAS beta-adds into from the norm's own launch
     (separate programs, so the copy's loads are in flight with the norm's, not after them).
     ``PDL``: let the next kernel, launched as this one's programmatic dependent, start now
-    (it waits for this grid's results before reading them)."""
+    (it waits for this grid's results before reading them). ``ZERO``: program 0 also sets
+    the ``n_zero`` int32 words at ``zero_ptr`` to 0 (the next launch's counters)."""
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
+    if ZERO:
+        if pid == 0:
+            for z0 in range(0, n_zero, 1024):
+                offs = z0 + tl.arange(0, 1024)
+                tl.store(zero_ptr + offs, tl.zeros([1024], dtype=tl.int32), mask=offs < n_zero)
     n_norm = tl.cdiv(n_rows, ROWS)
     if pid < n_norm:
         rms_norm_rows(x_ptr, w_ptr, y_ptr, pid * ROWS, n_rows, x_row_stride,
@@ -129,13 +137,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
              weight_in_fp32: bool = False, norm_dtype: torch.dtype | None = None,
              rows_per_program: int = 0, num_warps: int = 0,
              copy: tuple[torch.Tensor, torch.Tensor] | None = None,
-             pdl_primary: bool = False) -> None:
+             pdl_primary: bool = False, zero: torch.Tensor | None = None) -> None:
     """Launch on the 2-D row view ``x [T, N]`` into the preallocated ``y [T, N]`` (any row
     strides, last dims contiguous). ``norm_dtype``: cast-then-weight's rounding dtype when
     it is not ``x``'s. ``copy=(src, dst)``: also copy ``src [T, M]`` into ``dst [T, M]``
     (one dtype, any row strides, last dims contiguous) in the same launch.
     ``pdl_primary``: the next launch is this one's programmatic dependent (refused off CUDA;
-    sm_90+ is the caller's to check). Arguments are validated by the caller; this checks only what the
+    sm_90+ is the caller's to check). ``zero``: a 1-D int32 tensor (contiguous, on ``x``'s
+    device) the launch also fills with 0: the next launch's split-K counters, with no memset
+    launch of their own. Arguments are validated by the caller; this checks only what the
     launch itself needs."""
     src, dst = (x, y) if copy is None else copy
     check_launchable(x, w, y, src, dst)
@@ -150,6 +160,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
             raise TypeError(f"copy: src is {src.dtype} but dst is {dst.dtype}")
         if src.shape[1] > 1 and (src.stride(1) != 1 or dst.stride(1) != 1):
             raise ValueError("copy: src and dst must be contiguous in their last dim")
+    if zero is not None and (zero.dtype != torch.int32 or zero.dim() != 1
+                             or zero.stride(0) != 1 or zero.device != x.device):
+        raise ValueError(f"zero must be a contiguous 1-D int32 tensor on {x.device}, got "
+                         f"{zero.dtype} {tuple(zero.shape)} on {zero.device}")
     if norm_dtype is not None and weight_in_fp32:
         raise ValueError("norm_dtype applies to the cast-then-weight form only")
     if x.dtype not in TL_DTYPES:
@@ -162,6 +176,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
     round_dtype = x.dtype if norm_dtype is None else norm_dtype
     n_rows, n_cols = x.shape
     if n_rows == 0:
+        if zero is not None:
+            zero.zero_()
         return
     block = triton.next_power_of_2(n_cols)
     rows, warps = pick_launch_shape(block, rows_per_program, num_warps)
@@ -172,7 +188,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor,
     _rms_norm_kernel[(programs,)](
         x, w, y, n_rows, x.stride(0), y.stride(0), n_cols, float(eps),
         src, dst, src.stride(0), dst.stride(0), n_copy,
+        x if zero is None else zero, 0 if zero is None else zero.numel(),
         BLOCK_COLS=block, ROWS=rows, WEIGHT_IN_FP32=bool(weight_in_fp32),
         ROUND_DTYPE=TL_DTYPES[round_dtype], COPY=n_copy > 0, COPY_BLOCK=copy_block,
-        COPY_ROWS=copy_rows, PDL=bool(pdl_primary), num_warps=warps,
+        COPY_ROWS=copy_rows, PDL=bool(pdl_primary), ZERO=zero is not None, num_warps=warps,
     )

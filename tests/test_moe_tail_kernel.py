@@ -258,6 +258,40 @@ def _scratch_spy(monkeypatch) -> list[torch.Tensor]:
     return made
 
 
+def test_norm_launch_zeroes_the_split_k_counters_it_hands_on(monkeypatch):
+    """The norm-launch form with split-K takes its counters uninitialized and has the norm
+    launch zero them (no memset launch): poisoned words still give the reference's tail,
+    every launch leaves them at 0, and no zeroed scratch is allocated."""
+    c = Case(5, 150, 70, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
+    opts = {"split_k": 4, "block_n": 16, "block_k": 16, "normed_rows": True}
+    made = []
+
+    def poisoned(device, size):
+        made.append(torch.full((max(size, 1),), 7, dtype=torch.int32, device=device))
+        return made[-1]
+
+    monkeypatch.setattr(kernel_mod, "_counter_words", poisoned)
+    scratch = _scratch_spy(monkeypatch)
+    ys = [run_and_check(c, 3, opts) for _ in range(2)]
+    assert torch.equal(ys[0], ys[1]) and scratch == []
+    assert len(made) == 2 and all(int(b.abs().sum()) == 0 for b in made)
+
+
+def test_rms_norm_zero_argument_is_checked():
+    from k3fusion.kernels.rms_norm import rms_norm
+
+    x = torch.randn(3, 40, device=DEVICE)
+    w, y = torch.ones(40, device=DEVICE), torch.empty(3, 40, device=DEVICE)
+    for bad in (torch.zeros(4, device=DEVICE), torch.zeros(4, 2, dtype=torch.int32,
+                                                            device=DEVICE),
+                torch.zeros(8, dtype=torch.int32, device=DEVICE)[::2]):
+        with pytest.raises(ValueError, match="zero must be a contiguous 1-D int32 tensor"):
+            rms_norm(x, w, 1e-6, y, zero=bad)
+    words = torch.full((3,), 5, dtype=torch.int32, device=DEVICE)
+    rms_norm(x[:0], w, 1e-6, y[:0], zero=words)  # no rows: still zeroed
+    assert words.tolist() == [0, 0, 0]
+
+
 def test_prenorm_split_k_is_deterministic_and_leaves_counters_at_zero(monkeypatch):
     c = Case(40, 150, 70, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0, False)
     opts = {"split_k": 4, "block_n": 16, "block_k": 16, "prenorm": True, "block_m": 16}
@@ -1148,7 +1182,7 @@ print("prologue", "griddepcontrol.launch_dependents" in c.asm["ptx"])
 for pdl in (True, False):
     c = build(norm, dict(BLOCK_COLS=4096, ROWS=1, WEIGHT_IN_FP32=False,
                          ROUND_DTYPE=triton.language.bfloat16, COPY=False, COPY_BLOCK=1,
-                         COPY_ROWS=1, PDL=pdl), {}, 4, 3)
+                         COPY_ROWS=1, PDL=pdl, ZERO=pdl), {"zero_ptr": "*i32"}, 4, 3)
     print("norm launch", ("griddepcontrol.launch_dependents" in c.asm["ptx"]) == pdl)
 """
 

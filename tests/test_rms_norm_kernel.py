@@ -290,7 +290,7 @@ from triton.compiler import ASTSource
 from k3fusion.kernels.rms_norm import _rms_norm_kernel as k
 names = [p.name for p in k.params]
 const = dict(BLOCK_COLS=4096, ROWS=1, WEIGHT_IN_FP32=False, ROUND_DTYPE=tl.bfloat16,
-             COPY=True, COPY_BLOCK=8192, COPY_ROWS=1)
+             COPY=True, COPY_BLOCK=8192, COPY_ROWS=1, ZERO=False)
 sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr")
        else "fp32" if n.endswith("eps") else "i32" for n in names}
 hinted = [n for n in names if n.endswith(("_ptr", "stride")) or n in ("n_cols", "n_copy_cols")]
