@@ -12,7 +12,7 @@ import triton.language as tl
 __all__ = ["cdiv", "interpreter_enabled", "kernels_are_interpreted", "check_launchable",
            "launch_scratch", "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait",
            "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start",
-           "DEFAULT_SMS", "num_sms", "byte_span", "spans_meet", "may_overlap"]
+           "DEFAULT_SMS", "num_sms", "byte_span", "spans_meet", "may_overlap", "same_view"]
 
 try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -164,6 +164,11 @@ def launch_scratch(device: torch.device, size: int, dtype: torch.dtype) -> torch
     memset on the launch's stream (docs/design-notes.md, "Scratch memory").
     """
     return torch.zeros(max(size, 1), dtype=dtype, device=device)
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same view: one first element, strides and shape."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
 def byte_span(t: torch.Tensor, skip_dim: int | None = None, index: int = 0):

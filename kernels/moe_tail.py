@@ -28,7 +28,7 @@ from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
 from ._launch import (TL_DTYPES, DEFAULT_SMS, kernels_are_interpreted, cdiv, launch_scratch,
-                      gdc_launch_dependents, gdc_wait, interpreter_enabled, may_overlap, num_sms,
+                      gdc_launch_dependents, gdc_wait, interpreter_enabled, may_overlap, num_sms, same_view,
                       on_tensor_device, pdl_available)
 from .rms_norm import rms_norm
 
@@ -527,9 +527,9 @@ def _check_out(out, shared, others, dtype) -> None:
         raise ValueError(f"out is on {out.device}, the inputs on {shared.device}")
     if out.numel() and out.stride(-1) != 1:
         raise ValueError(f"out's last dim must be contiguous (stride 1), got {out.stride(-1)}")
-    same_view = (out.data_ptr() == shared.data_ptr() and out.stride() == shared.stride())
+    in_place = same_view(out, shared)  # (shapes checked equal above)
     for name, t in (("shared", shared), *zip(("routed_latent", "norm_w", "up_w"), others)):
-        if name == "shared" and same_view:
+        if name == "shared" and in_place:
             continue
         if out.numel() and t.numel() and _overlaps(out, t):
             raise ValueError(f"out overlaps {name}: pass shared itself (in place) or a "
@@ -556,10 +556,6 @@ def _shard_of(shared, up_w, column_offset) -> torch.Tensor:
         raise ValueError(f"column_offset={column_offset}: up_w's {rows} rows must land inside "
                          f"shared's {width} columns")
     return shared.narrow(1, column_offset, rows)
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -650,7 +646,7 @@ def latent_moe_tail_fused(
         out = torch.empty(full.shape, dtype=up_w.dtype, device=up_w.device)
     out_full = out
     # Columns outside the shard: copied by the launch unless it writes in place.
-    rest = 0 if _same_view(out, full) else full.shape[1] - hidden
+    rest = 0 if same_view(out, full) else full.shape[1] - hidden
     out = out.narrow(1, column_offset or 0, hidden)
     cfg = resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
                           block_k, num_warps, num_stages, split_k, norm_block_k,

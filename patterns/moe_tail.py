@@ -210,21 +210,16 @@ def _op_args(site: MoETailSite, shared=None) -> tuple:
             site.norm.weight_in_fp32, eps_t, site.norm.x_round)
 
 
-#: The in-place op's arguments, in order (``auto_functionalized`` takes them by name).
-_INPLACE_ARGS = ("routed_latent", "shared", "norm_w", "eps", "up_w", "group_name",
-                 "weight_in_fp32", "eps_tensor", "norm_dtype")
-
-
 def _insert_tail(graph: Graph, site: MoETailSite, shared) -> Node:
     """The op call replacing the tail: ``k3fusion::latent_moe_tail_`` (the result written
     into ``shared``, ``routed`` clobbered) under ``auto_functionalized``, so that Inductor's
     reinplacing passes the partials that nothing reads afterwards in place (the tiers
     then copy neither) and clones the others. (The op's dtype rule makes ``shared`` the
     result's dtype; _plan checked the functional op's shape against the graph's.)"""
-    args = _op_args(site, shared)
-    mutated = insert_call(graph, torch.ops.higher_order.auto_functionalized,
-                          (torch.ops.k3fusion.latent_moe_tail_.default,),
-                          dict(zip(_INPLACE_ARGS, args)))
+    op = torch.ops.k3fusion.latent_moe_tail_.default
+    names = [a.name for a in op._schema.arguments]  # auto_functionalized takes them by name
+    mutated = insert_call(graph, torch.ops.higher_order.auto_functionalized, (op,),
+                          dict(zip(names, _op_args(site, shared))))
     return insert_call(graph, operator.getitem, (mutated, 2))  # (None, routed, shared)
 
 

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -336,7 +337,7 @@ def _shard_rows(tokens, tp: int, group, timer) -> list[dict]:
                                             donate_routed=donate)
 
         def unfused():
-            return _patched(moe_tail.tiers, "COLUMN_FUSED_MAX_TOKENS", 0)
+            return mock.patch.object(moe_tail.tiers, "COLUMN_FUSED_MAX_TOKENS", 0)
 
         row = {"T": t, "tp": tp, "input_sets": len(sets), "floor_us": hbm_floor_us(nbytes)}
         for key, ctx, donate in (("tier_us", contextlib.nullcontext, False),
@@ -352,16 +353,6 @@ def _shard_rows(tokens, tp: int, group, timer) -> list[dict]:
         print(", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in row.items()), flush=True)
     return rows
-
-
-@contextlib.contextmanager
-def _patched(obj, name: str, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 def run(tokens=TOKENS, sweep: bool = False, sweep_only: bool = False, tp_tokens=TP_TOKENS,

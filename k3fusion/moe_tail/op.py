@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .. import reference
+from ..kernels._launch import same_view
 from ..moe_tail_args import check_latent_moe_tail_args
 from ..ops._args import check_eps_tensor, eps_value
 from ..ops._backward import differentiate_by_reference
@@ -87,16 +88,24 @@ def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False
     return shared.new_empty(shared.shape, dtype=dtype)
 
 
+def _run_tiers(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32,
+               eps_tensor, norm_dtype, donate: bool) -> torch.Tensor:
+    """Both ops' kernel: the arguments checked, the tiers run (``donate``: on both partials)."""
+    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
+                weight_in_fp32)
+    return tiers.latent_moe_tail(routed_latent, shared, norm_w,
+                                 eps_value(eps, eps_tensor, "eps_tensor"), up_w,
+                                 resolve_group(group_name), weight_in_fp32=weight_in_fp32,
+                                 norm_dtype=norm_dtype, donate_shared=donate,
+                                 donate_routed=donate)
+
+
 # One implementation for both devices: the tiers pick the CPU or CUDA path themselves.
 @latent_moe_tail_op.register_kernel(("cpu", "cuda"))
 def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
       eps_tensor=None, norm_dtype=None):
-    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
-                weight_in_fp32)
-    eps = eps_value(eps, eps_tensor, "eps_tensor")
-    y = tiers.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
-                              resolve_group(group_name), weight_in_fp32=weight_in_fp32,
-                              norm_dtype=norm_dtype)
+    y = _run_tiers(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32,
+                   eps_tensor, norm_dtype, donate=False)
     # Same layout as the fake impl promises; a fresh tensor, never an alias of an input.
     y = y.contiguous()
     if y.data_ptr() == shared.data_ptr() and shared.numel():
@@ -136,15 +145,10 @@ def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False
 @latent_moe_tail_inplace_op.register_kernel(("cpu", "cuda"))
 def _(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32=False,
       eps_tensor=None, norm_dtype=None):
-    _check_tail(routed_latent, shared, norm_w, eps, up_w, group_name, eps_tensor, norm_dtype,
-                weight_in_fp32)
-    eps = eps_value(eps, eps_tensor, "eps_tensor")
-    y = tiers.latent_moe_tail(routed_latent, shared, norm_w, eps, up_w,
-                              resolve_group(group_name), weight_in_fp32=weight_in_fp32,
-                              norm_dtype=norm_dtype, donate_shared=True, donate_routed=True)
+    y = _run_tiers(routed_latent, shared, norm_w, eps, up_w, group_name, weight_in_fp32,
+                   eps_tensor, norm_dtype, donate=True)
     # The tiers that accumulate into a donated partial return it; the others a new tensor.
-    if not (y.data_ptr() == shared.data_ptr() and y.stride() == shared.stride()
-            and y.shape == shared.shape):
+    if not same_view(y, shared):
         shared.copy_(y)
 
 
