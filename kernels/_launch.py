@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "kernels_are_interpreted", "check_launchable",
-           "launch_scratch", "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait",
+           "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait",
            "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start",
            "DEFAULT_SMS", "num_sms", "byte_span", "spans_meet", "may_overlap", "same_view"]
 
@@ -149,21 +149,6 @@ def check_launchable(*tensors: torch.Tensor) -> None:
         f"k3fusion's Triton kernels run on CUDA (or on CPU with TRITON_INTERPRET=1), "
         f"not on {device.type}"
     )
-
-
-def launch_scratch(device: torch.device, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Zeroed words for one launch of a kernel whose programs exchange data through global
-    memory (the fused tail's split-K arrival counters, the AttnRes split kernel's
-    epoch-tagged records), from the caching allocator, for this launch only.
-
-    So they belong to what the launch belongs to: the stream it runs on (eager; the
-    allocator orders reuse across streams), or the CUDA graph capturing it (the graph's
-    pool; the zeroing is a node of the graph). Two launches never share words -- not on
-    two streams, not in two graphs replayed at once -- and nothing outlives the call, so
-    a CUDA-graph tree's warm-up run leaves no tensor alive in its pool. The cost: one
-    memset on the launch's stream (docs/design-notes.md, "Scratch memory").
-    """
-    return torch.zeros(max(size, 1), dtype=dtype, device=device)
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

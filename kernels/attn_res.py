@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from ._launch import (cdiv, check_launchable, dependent_start, interpreter_enabled,
-                      launch_scratch, on_tensor_device, pdl_launch)
+                      on_tensor_device, pdl_launch)
+from ._scratch import launch_scratch
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
@@ -747,10 +748,12 @@ def attn_res(
         for phase in (1, 2, 3) if has_norm else (1, 2):
             _attn_res_split_kernel[(n_chunks, T)](*args, PHASE=phase, **split)
         return
-    # Counters and records of this launch only, zeroed (launch_scratch): a poll waits only
-    # for words this launch's programs of the same token write (docs/design-notes.md,
-    # "Scratch memory": why it terminates). ``words`` (tests): the caller's buffer instead.
+    # Counters and records no other launch uses (launch_scratch): zeroed for this launch,
+    # or a captured launch's own for good -- each launch leaves them one epoch on, ready for
+    # the next replay. A poll waits only for words this launch's programs of the same token
+    # write (docs/design-notes.md, "Scratch memory": why it terminates). ``words`` (tests):
+    # the caller's buffer instead.
     if words is None:
-        words = launch_scratch(prefix.device, T * token_words, torch.int64)
+        words = launch_scratch(prefix.device, T * token_words, torch.int64, reusable=True)
     _attn_res_split_kernel[(n_chunks, T)](*common, words, H, float(eps), float(out_eps),
                                           PHASE=0, **split)

@@ -27,9 +27,10 @@ import triton.language as tl
 from k3fusion.moe_tail_args import check_latent_moe_tail_args
 
 from ._fences import fence_gpu
-from ._launch import (TL_DTYPES, DEFAULT_SMS, kernels_are_interpreted, cdiv, launch_scratch,
+from ._launch import (TL_DTYPES, DEFAULT_SMS, kernels_are_interpreted, cdiv,
                       gdc_launch_dependents, gdc_wait, interpreter_enabled, may_overlap, num_sms, same_view,
                       on_tensor_device, pdl_available)
+from ._scratch import launch_scratch
 from .rms_norm import rms_norm
 
 __all__ = ["MAX_TOKENS", "LaunchConfig", "pick_launch_config", "resolve_config",
@@ -660,10 +661,11 @@ def latent_moe_tail_fused(
     k_per_split = cdiv(cdiv(latent, cfg.block_k), cfg.split_k) * cfg.block_k
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, tokens, hidden), dtype=torch.float32, device=up_w.device)
-        # Zeroed words for this launch only (docs/design-notes.md, "Scratch memory"): by the
-        # norm launch where there is one (no memset launch of their own), else a memset.
+        # Zeroed counters no other launch uses (docs/design-notes.md, "Scratch memory"):
+        # zeroed by the norm launch where there is one (no memset launch of their own), else
+        # launch_scratch's (the last arrival resets each: a captured launch keeps its own).
         lock = (_counter_words(up_w.device, tiles * m_tiles) if cfg.normed_rows
-                else launch_scratch(up_w.device, tiles * m_tiles, torch.int32))
+                else launch_scratch(up_w.device, tiles * m_tiles, torch.int32, reusable=True))
     else:
         ws = lock = out  # never read
     rinv = out  # never read

@@ -995,9 +995,11 @@ class TestAttnResCuda:
             run_and_check(c, seed=nb, bf16_casts_truncate=False, device="cuda")
 
     def test_split_kernel_in_a_cuda_graph(self, monkeypatch) -> None:
-        """Captured once, replayed several times: the graph owns its words (allocated and
-        zeroed in the capture, ``_launch.launch_scratch``), each of its launches adds one
-        epoch to a token's counter, and the output stays right."""
+        """Captured once after a warm-up, replayed several times: each captured launch
+        keeps words of its own for good (``_scratch.launch_scratch``: an arena slice, no
+        memset node), each replay moves a token's counter on by one epoch, and the output
+        stays right replay after replay."""
+        from k3fusion.kernels import _scratch
         from k3fusion.kernels import attn_res as kernel_mod
         from k3fusion.kernels.attn_res import SYNC_EPOCH
 
@@ -1015,27 +1017,29 @@ class TestAttnResCuda:
         made, real = [], kernel_mod.launch_scratch
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            step()  # compile
+            step()  # compile; the warm-up makes the arena
             torch.cuda.synchronize()
             monkeypatch.setattr(kernel_mod, "launch_scratch",
-                                lambda *a: made.append(real(*a)) or made[-1])
+                                lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+            handed = _scratch.arena_stats()["bytes_handed_out"]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 step()
-        assert len(made) == 3
+        token_words = 529  # 1 + 16 * (2 * 16 + 1)
+        assert len(made) == 3 and len({t.data_ptr() for t in made}) == 3
+        assert _scratch.arena_stats()["bytes_handed_out"] >= handed + 3 * c.T * token_words * 8
         expected_out = torch.empty_like(out)
         launch(x.prefix, x.blocks, 8, x.norm_w, x.proj_w, c.eps, expected_out, delta=x.delta,
                prefix_out=new, out_norm_w=x.out_norm_w, out_eps=c.out_eps, split_phases=True,
                shape=c.shape)
-        for _ in range(3):
+        for replay in range(1, 4):
             out.zero_()
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(bits(out), bits(expected_out))
-            # the last launch's words, zeroed in the graph: one epoch per token counter
-            # (word 0 of its 1 + 16 * (2 * 16 + 1) words)
-            used = made[-1][:c.T * 529:529]
-            assert used.tolist() == [SYNC_EPOCH.value] * c.T, used
+            for words in made:  # word 0 of each token's words: one epoch per replay
+                used = words[:c.T * token_words:token_words]
+                assert used.tolist() == [replay * SYNC_EPOCH.value] * c.T, (replay, used)
 
     def test_split_exchange_never_accepts_a_stale_word(self) -> None:
         """The exchange protocol on a reused buffer (the ``words`` test hook): every record

@@ -38,7 +38,7 @@ from k3fusion.kernels.attn_res import attn_res as launch
 from k3fusion.kernels.attn_res import pick_launch_shape, tile_rows
 
 from . import peers as peer_kernels
-from .common import add_peers_argument, environment, hf_rms_norm
+from .common import add_peers_argument, add_scratch_argument, environment, hf_rms_norm
 from .timing import cuda_graph_us, hbm_floor_us, sets_to_outgrow_l2
 
 HIDDENS = (2048, 4096, 7168)
@@ -830,6 +830,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="no new Inductor compiles after this many seconds of the sweep")
     add_peers_argument(p)
+    add_scratch_argument(p)
     args = p.parse_args(argv)
     peers = peer_kernels.from_args(p, args, "attn_res")
     global FOCUS

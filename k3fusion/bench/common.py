@@ -15,8 +15,10 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 import triton
 
+from k3fusion.kernels import _scratch
+
 __all__ = ["hf_rms_norm", "compile_uncached", "environment", "base_parser", "write_results",
-           "plot_series", "fake_tp_group"]
+           "plot_series", "fake_tp_group", "add_scratch_argument"]
 
 
 def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,6 +50,8 @@ def environment(device="cuda") -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
+        # Where captured launches' scratch words come from (--scratch-memset).
+        "scratch": "arena" if _scratch.GRAPH_WORDS else "memset",
     }
 
 
@@ -57,7 +61,26 @@ def base_parser(prog: str, tokens) -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, nargs="*", default=list(tokens))
     p.add_argument("--sweep", action="store_true", help="time every kernel launch shape")
     add_peers_argument(p)
+    add_scratch_argument(p)
     return p
+
+
+class _ScratchMemset(argparse.Action):
+    """``--scratch-memset``: set when parsed, for the whole run."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _scratch.GRAPH_WORDS = False
+        setattr(namespace, self.dest, True)
+
+
+def add_scratch_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scratch-memset", action=_ScratchMemset,
+                   help="captured launches zero their scratch words in the graph (a memset "
+                        "node each, as before the arena) instead of keeping arena words for "
+                        "good: an A/B of docs/design-notes.md, 'Scratch memory'")
 
 
 def add_peers_argument(p: argparse.ArgumentParser) -> None:

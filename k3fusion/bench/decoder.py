@@ -44,7 +44,7 @@ import k3fusion
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 from k3fusion.models.kimi_k3 import count_attn_res_sites, count_latent_moe_layers, count_mla_layers
 
-from .common import environment, fake_tp_group, write_results
+from .common import add_scratch_argument, environment, fake_tp_group, write_results
 from .timing import call_loop_us, cuda_graph_us
 
 __all__ = ["stack_config", "block_size_for", "build_model", "stack_inputs", "weight_bytes",
@@ -723,6 +723,7 @@ def _parse(argv) -> argparse.Namespace:
                         "also compiled that way and timed per call)")
     p.add_argument("--quick", action="store_true",
                    help="2 layers, decode T 1 32, prefill 512, 2 seeds (explicit options win)")
+    add_scratch_argument(p)
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else dict(layers=LAYERS, tokens=DECODE_TOKENS,
                                               prefill=PREFILL_TOKENS, seeds=SEEDS)
