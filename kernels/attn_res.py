@@ -80,7 +80,9 @@ SYNC_EPOCH = tl.constexpr(1 << 16)
 TILE_MAX_PER_THREAD = 192
 
 #: The automatic launch shape, measured: docs/benchmarks.md#attnres-launch-selection-sweep-issue-20
-#: (up to 255 tokens the 2026-12-03 run with the block count compiled in:
+#: (H 7168's rows up to 32 tokens the 2026-12-04 run with captured launches' scratch words
+#: kept: docs/experiments.md#2026-12-04-the-split-kernel-without-its-memset-node; the other
+#: rows up to 255 tokens the 2026-12-03 run with the block count compiled in:
 #: docs/experiments.md#2026-12-03-the-block-count-as-a-constexpr; the prefill rows the
 #: 2026-12-02 run: docs/experiments.md#2026-12-02-the-launch-selection-run-issue-20, with
 #: the rows of 256-724 / 256-362 tokens and H 2048's from 363 the 2026-12-03 prefill run:
@@ -107,7 +109,10 @@ LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
         (None, "solo16 solo16 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3"),
     ),
     16 * 1024: (  # bf16/fp16 H <= 8192 (7168), fp32 H <= 4096
-        (12, "r1x8 solo8 solo8 solo8 solo8 solo8 r8x8e s1024x4 s1024x4"),
+        (1, "r1x16e solo8 solo8 solo8 s1024x4 s1024x4 s1024x4 s1024x4 s1024x4"),
+        (12, "r1x16e solo8 solo8 solo8 solo8 solo8 s1024x4 s1024x4 s1024x4"),
+        (16, "r1x16 solo8 solo8 solo16 solo16 solo8 s1024x4 s1024x4 s1024x4"),
+        (32, "r1x16 solo8 solo8 solo16 solo16 solo8 r8x8e s1024x4 s2048x8"),
         (64, "solo16 solo8 solo8 solo16 solo16 solo8 r8x8e solo16 r4x8e"),
         (255, "solo16 solo8 solo16 solo16 solo16 solo16 solo16 r2x8p3 r2x8p3"),
         (724, "solo8 solo8 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3"),

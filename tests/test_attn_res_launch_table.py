@@ -30,7 +30,10 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 #: The runs the table came from: up to 255 tokens the 2026-12-03 one (the block count
 #: compiled in, every candidate form around the table's, T 1/8/32/128), the prefill rows
 #: the 2026-12-02 one (every candidate, T 512/4096).
-SWEEP_JSON = DOCS / "attn_res_decode_sweep_2026-12-03.json"
+#: Up to 255 tokens, oldest first: a later run's points replace an earlier run's (2026-12-04:
+#: H 7168 to 32 tokens again, captured launches keeping their scratch words).
+SWEEP_JSONS = [DOCS / "attn_res_decode_sweep_2026-12-03.json",
+               DOCS / "attn_res_decode_sweep_2026-12-04.json"]
 #: From 256 tokens, oldest first: a later run's points replace an earlier run's.
 PREFILL_SWEEP_JSONS = [DOCS / "attn_res_decode_sweep.json",
                        DOCS / "attn_res_prefill_rows_2026-12-03.json"]
@@ -100,12 +103,14 @@ def test_token_buckets_at_their_edges() -> None:
     EARLY_TILE_MAX_TOKENS, the prefill shapes from PREFILL_TOKENS."""
     assert (SPLIT_MAX_TOKENS, EARLY_TILE_MAX_TOKENS, PREFILL_TOKENS) == (12, 64, 256)
     H = 7168
-    assert [name(T, H, 8) for T in (1, 12, 13, 64, 65, 255, 256, 4096)] == \
-        ["s1024x4", "s1024x4", "r4x8e", "r4x8e", "r2x8p3", "r2x8p3", "r1x8p3", "r1x8p3"]
-    assert [name(T, H, 0) for T in (1, 12, 13, 64, 65, 255, 256, 724, 725)] == \
-        ["r1x8", "r1x8"] + ["solo16"] * 4 + ["solo8", "solo8", "solo16"]
-    assert [name(T, H, 4) for T in (12, 13, 64, 65, 255, 256)] == \
-        ["solo8", "solo16", "solo16", "solo16", "solo16", "r1x8p3"]
+    assert [name(T, H, 8) for T in (1, 12, 13, 16, 17, 32, 33, 64, 65, 255, 256, 4096)] == \
+        ["s1024x4"] * 4 + ["s2048x8"] * 2 + ["r4x8e", "r4x8e", "r2x8p3", "r2x8p3",
+                                             "r1x8p3", "r1x8p3"]
+    assert [name(T, H, 6) for T in (12, 16, 17, 64)] == ["s1024x4"] * 2 + ["r8x8e"] * 2
+    assert [name(T, H, 0) for T in (1, 12, 13, 32, 33, 64, 65, 255, 256, 724, 725)] == \
+        ["r1x16e", "r1x16e", "r1x16", "r1x16"] + ["solo16"] * 4 + ["solo8", "solo8", "solo16"]
+    assert [name(T, H, 4) for T in (1, 2, 12, 13, 64, 65, 255, 256)] == \
+        ["s1024x4", "solo8", "solo8", "solo16", "solo16", "solo16", "solo16", "r1x8p3"]
     H = 2048
     assert [name(T, H, 8) for T in (1, 64, 65, 255, 256, 362, 363, 4096)] == \
         ["solo4", "solo4", "solo8", "solo8", "r1x4p3", "r1x4p3", "r1x2p3", "r1x2p3"]
@@ -145,18 +150,20 @@ def test_split_entries_fall_back_off_nvidia(monkeypatch) -> None:
 
 
 def test_the_table_matches_the_sweeps_it_came_from() -> None:
-    """Against the committed H200 sweeps (``SWEEP_JSON`` up to 255 tokens,
+    """Against the committed H200 sweeps (``SWEEP_JSONS`` up to 255 tokens,
     ``PREFILL_SWEEP_JSONS`` from 256, the newest run of a point): at every point the
     chosen shape was timed and checked, is within 5% of the best and no more than 3%
     slower than the previous default -- a table edit that contradicts the data fails here."""
-    decode = sweep.selection_check(json.loads(SWEEP_JSON.read_text()))
-    newest = {}
-    for path in PREFILL_SWEEP_JSONS:
-        for r in sweep.selection_check(json.loads(path.read_text())):
-            if r["T"] > 255:
-                newest[r["H"], r["nb"], r["T"]] = r
-    prefill = list(newest.values())
-    assert (len(decode), len(prefill)) == (108, 76)
+    def newest(paths, keep):
+        points = {}
+        for path in paths:
+            for r in sweep.selection_check(json.loads(path.read_text())):
+                if keep(r["T"]):
+                    points[r["H"], r["nb"], r["T"]] = r
+        return list(points.values())
+    decode = newest(SWEEP_JSONS, lambda T: T <= 255)
+    prefill = newest(PREFILL_SWEEP_JSONS, lambda T: T > 255)
+    assert (len(decode), len(prefill)) == (135, 76)
     for r in decode + prefill:
         assert r["chosen_us"] is not None, r
         assert r["chosen_us"] <= 1.05 * r["best_us"], r
