@@ -85,17 +85,26 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _has_room(arenas: list[_Arena]) -> bool:
+    return bool(arenas) and arenas[-1].words.numel() - arenas[-1].used >= ARENA_BYTES // 4
+
+
 def _grow_if_low(device: torch.device) -> None:
-    """Outside a capture: make an arena where there is none or under a quarter is left."""
+    """Outside a capture: make an arena where there is none or under a quarter is left.
+    If that allocation fails (another thread's capture forbids it, no memory), nothing is
+    made now: captured launches zero their own words until a later launch makes one."""
     index = _index(device)
+    if _has_room(_arenas.get(index, [])):  # the common case, without the lock
+        return
     with _lock:
         arenas = _arenas.setdefault(index, [])
-        if arenas and arenas[-1].words.numel() - arenas[-1].used >= ARENA_BYTES // 4:
+        if _has_room(arenas) or (len(arenas) + 1) * ARENA_BYTES > ARENA_LIMIT_BYTES:
             return
-        if (len(arenas) + 1) * ARENA_BYTES > ARENA_LIMIT_BYTES:
+        try:
+            words = _zeroed_outside_any_pool(torch.device(device.type, index), ARENA_BYTES)
+        except RuntimeError:
             return
-        arenas.append(_Arena(_zeroed_outside_any_pool(torch.device(device.type, index),
-                                                      ARENA_BYTES)))
+        arenas.append(_Arena(words))
 
 
 def _graph_slice(device: torch.device, nbytes: int) -> torch.Tensor | None:

@@ -170,3 +170,19 @@ def test_words_of_graphs_that_died_within_a_scope_are_zeroed_and_handed_out_agai
     again = _scratch.launch_scratch(CUDA0, 4, torch.int64, reusable=True)
     assert _span(again) == _span(inner) and not again.any()
     assert kept.tolist() == [7] * 4 and _span(kept) != _span(again)
+
+
+def test_an_arena_that_cannot_be_made_now_is_made_by_a_later_launch(fake, monkeypatch):
+    """Another thread's capture (global mode) forbids the allocation, or memory is short:
+    the launch goes on with fresh words; a later launch outside a capture makes the arena."""
+    real = _scratch._zeroed_outside_any_pool
+
+    def refuse(device, nbytes):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(_scratch, "_zeroed_outside_any_pool", refuse)
+    words = _scratch.launch_scratch(CUDA0, 4, torch.int64, reusable=True)
+    assert not words.any() and _scratch.arena_stats(0)["arenas"] == 0
+    monkeypatch.setattr(_scratch, "_zeroed_outside_any_pool", real)
+    _scratch.launch_scratch(CUDA0, 4, torch.int64, reusable=True)
+    assert _scratch.arena_stats(0)["arenas"] == 1 and fake["made"] == 1
