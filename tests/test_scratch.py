@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,25 @@ def test_an_arena_that_cannot_be_made_now_is_made_by_a_later_launch(fake, monkey
     monkeypatch.setattr(_scratch, "_zeroed_outside_any_pool", real)
     _scratch.launch_scratch(CUDA0, 4, torch.int64, reusable=True)
     assert _scratch.arena_stats(0)["arenas"] == 1 and fake["made"] == 1
+
+
+@pytest.mark.parametrize("bench", ["decoder", "attn_res_sweep", "moe_tail"])
+def test_benchmarks_take_the_memset_switch_and_record_it(bench, monkeypatch):
+    """``--scratch-memset`` (an A/B of the arena) turns captured launches' words back to a
+    memset per launch for the whole run, and the run's environment says which it was."""
+    import importlib
+
+    from k3fusion.bench import common
+
+    monkeypatch.setattr(_scratch, "GRAPH_WORDS", True)
+    module = importlib.import_module(f"k3fusion.bench.{bench}")
+    if bench == "attn_res_sweep":  # it parses inside main: the table-printing path
+        saved = str(Path(__file__).parents[1] / "docs" / "attn_res_decode_sweep_2026-12-04.json")
+        parse = lambda argv: module.main(argv + ["--tables-from", saved])  # noqa: E731
+    else:
+        parse = {"decoder": lambda argv: module._parse(argv),
+                 "moe_tail": lambda argv: module.parser().parse_args(argv)}[bench]
+    parse([])
+    assert _scratch.GRAPH_WORDS and common.environment("cpu")["scratch"] == "arena"
+    parse(["--scratch-memset"])
+    assert not _scratch.GRAPH_WORDS and common.environment("cpu")["scratch"] == "memset"
