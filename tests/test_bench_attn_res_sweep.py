@@ -119,6 +119,28 @@ def test_dry_run_chosen_only(tmp_path, capsys) -> None:
     assert all(sweep.is_public_form(v["kw"]) for v in list(p["variants"].values())[2:])
 
 
+def test_no_pdl_reaches_every_timed_launch(tmp_path, monkeypatch) -> None:
+    """``--no-pdl`` (a probe of what PDL costs): every k3fusion launch of the run, checked
+    or timed, gets ``pdl=False``; the run says so. Without it: ``pdl=None`` (the default)."""
+    seen = []
+    real = sweep.launch
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("pdl", "missing"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "launch", spy)
+    monkeypatch.setattr(sweep, "PDL", None)  # main sets it: restored after the test
+    argv = ["--dry-run", "--chosen-only", "--num-blocks", "4", "--tokens", "1",
+            "--skip-inductor", "--jobs", "0"]
+    assert sweep.main(argv + ["--out", str(tmp_path / "a")]) == 0
+    assert seen and set(seen) == {None}
+    seen.clear()
+    assert sweep.main(argv + ["--no-pdl", "--out", str(tmp_path / "b")]) == 0
+    assert seen and set(seen) == {False}
+    assert json.loads((tmp_path / "b" / "attn_res_sweep.json").read_text())["pdl"] == "off"
+
+
 def test_heatmap_from_the_committed_sweep(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from pathlib import Path

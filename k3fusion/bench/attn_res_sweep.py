@@ -76,6 +76,9 @@ BYTES_ONLY_SHAPES = ((0, 4), (0, 8), (0, 16), (1024, 4), (512, 4))
 #: point; ``S`` in a label stands for the widest source tile there (every block at once).
 #: None: every candidate.
 FOCUS: tuple[str, ...] | None = None
+#: ``--no-pdl``: k3fusion's launches not as programmatic dependents (None: wherever the GPU
+#: can, the default).
+PDL: bool | None = None
 
 
 def _pow2(n: int) -> int:
@@ -197,14 +200,14 @@ def step_bytes(T: int, H: int, nb: int) -> int:
 def launch_step(args, nb: int, out, kw: dict) -> None:
     prefix, delta, bank, norm_w, proj_w, out_w = args
     launch(prefix, bank, nb, norm_w, proj_w[0], EPS, out, delta=delta, prefix_out=prefix,
-           block_write_idx=nb, out_norm_w=out_w, out_eps=EPS, shape=kw)
+           block_write_idx=nb, out_norm_w=out_w, out_eps=EPS, shape=kw, pdl=PDL)
 
 
 def launch_mix(args, nb: int, mix, kw: dict) -> None:
     """The candidate without delta, block write and norm: its rounded mix (the check's
     second launch; another compiled variant)."""
     prefix, _, bank, norm_w, proj_w, _ = args
-    launch(prefix, bank, nb, norm_w, proj_w[0], EPS, mix, shape=kw)
+    launch(prefix, bank, nb, norm_w, proj_w[0], EPS, mix, shape=kw, pdl=PDL)
 
 
 def chain(prefix, delta, bank, norm_w, proj_w, out_w, nb: int):
@@ -380,8 +383,10 @@ def bytes_only(args, nb: int, out, chunk: int, num_warps: int) -> None:
 # ---------------------------------------------------------------------- precompile pool
 
 
-def _worker_init() -> None:
+def _worker_init(pdl: bool | None = None) -> None:
+    global PDL
     inductor_config.compile_threads = 1  # the pool is the parallelism
+    PDL = pdl  # the launches the main process will time (a spawned worker starts afresh)
 
 
 def _precompile(task):
@@ -437,7 +442,7 @@ def precompile(hiddens, num_blocks, tokens, inductor: bool, jobs: int,
         # whatever is left compiles in this process, inside the sweep.
 
         pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"),
-                                   initializer=_worker_init)
+                                   initializer=_worker_init, initargs=(PDL,))
         futures = {pool.submit(_precompile, t): t[:3] for t in tasks}
         done, pending = wait(futures, timeout=timeout_s)
         for f in done:
@@ -477,7 +482,7 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
     result = {"bench": "attn_res_sweep", "hiddens": list(hiddens),
               "num_blocks": list(num_blocks), "tokens": list(tokens), "dry_run": dry_run,
               "inductor": inductor, "chosen_only": chosen_only, "out_ulps_bound": OUT_ULPS,
-              "points": [],
+              "pdl": "off" if PDL is False else "auto", "points": [],
               "precompile_errors": {}, "peers": peer_kernels.sources(peers)}
     if dry_run:
         result.update(date=time.strftime("%Y-%m-%d"), gpu="cpu (interpreter)",
@@ -827,13 +832,17 @@ def main(argv=None) -> int:
                    help="only print the tables of an earlier run's attn_res_sweep.json")
     p.add_argument("--heatmap", type=Path, metavar="PNG",
                    help="with --tables-from: also draw the k3fusion-vs-Inductor heat map")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch k3fusion's kernels without PDL (not as programmatic dependents "
+                        "of the launch before): a probe of what PDL costs or gives")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="no new Inductor compiles after this many seconds of the sweep")
     add_peers_argument(p)
     add_scratch_argument(p)
     args = p.parse_args(argv)
     peers = peer_kernels.from_args(p, args, "attn_res")
-    global FOCUS
+    global FOCUS, PDL
+    PDL = False if args.no_pdl else None
     FOCUS = tuple(args.focus) if args.focus else None
     if args.tables_from:
         result = json.loads(args.tables_from.read_text())
