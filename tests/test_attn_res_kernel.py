@@ -682,15 +682,17 @@ def test_launcher_takes_a_shape_or_its_overrides() -> None:
 
 def test_pick_launch_shape() -> None:
     H = 7168
-    # The split kernel up to 12 tokens, then the row kernel (measured on the H200: the
-    # split kernel with its epoch-tagged exchange ahead up to 12;
-    # docs/experiments.md, "2026-11-29: the split kernel's epoch-tagged exchange").
+    # The rule: the split kernel up to 12 tokens, then the row kernel (measured on the
+    # H200: the split kernel with its epoch-tagged exchange ahead up to 12;
+    # docs/experiments.md, "2026-11-29: the split kernel's epoch-tagged exchange"). The
+    # launch table, which comes first where it has an entry, reaches further at H 7168
+    # (tests/test_attn_res_launch_table.py).
     assert SPLIT_MAX_TOKENS == 12
     for T in (1, SPLIT_MAX_TOKENS):
-        s = pick_launch_shape(T, H, 8)
+        s = pick_launch_shape(T, H, 8, use_table=False)
         assert (s.kind, s.chunk, s.num_warps) == ("split", SPLIT_CHUNK, SPLIT_NUM_WARPS) \
             == ("split", 1024, 4)
-    after = pick_launch_shape(SPLIT_MAX_TOKENS + 1, H, 8)
+    after = pick_launch_shape(SPLIT_MAX_TOKENS + 1, H, 8, use_table=False)
     assert (after.kind, after.sources_per_tile, after.early_tile) == ("row", 4, True)
     # split_max_tokens=0: never the split kernel; the row kernel's decode shape, the first
     # source tile loaded early.
