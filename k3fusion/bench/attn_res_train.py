@@ -57,24 +57,24 @@ def mix_step(blocks, prefix, norm_w, proj_w):
     return (weights.to(sources.dtype).unsqueeze(-1) * sources).sum(1)
 
 
-def _leaf(*shape, scale=1.0, offset=0.0, device="cuda"):
-    t = offset + scale * torch.randn(*shape, device=device)
+def _leaf(*shape, scale=1.0, offset=0.0, device="cuda", gen=None):
+    t = offset + scale * torch.randn(*shape, device=device, generator=gen)
     return t.to(torch.bfloat16).requires_grad_()
 
 
-def full_inputs(t: int, n: int, hidden: int = HIDDEN, device="cuda") -> tuple:
-    return (_leaf(t, hidden, device=device), _leaf(t, hidden, device=device),
-            _leaf(t, n, hidden, device=device), _leaf(hidden, scale=0.1, offset=1, device=device),
-            _leaf(1, hidden, scale=hidden**-0.5, device=device),
-            _leaf(hidden, scale=0.1, offset=1, device=device),
-            torch.randn(t, hidden, device=device, dtype=torch.bfloat16))  # the output's grad
+def full_inputs(t: int, n: int, hidden: int = HIDDEN, device="cuda", gen=None) -> tuple:
+    kw = dict(device=device, gen=gen)
+    return (_leaf(t, hidden, **kw), _leaf(t, hidden, **kw), _leaf(t, n, hidden, **kw),
+            _leaf(hidden, scale=0.1, offset=1, **kw), _leaf(1, hidden, scale=hidden**-0.5, **kw),
+            _leaf(hidden, scale=0.1, offset=1, **kw),
+            torch.randn(t, hidden, device=device, generator=gen).to(torch.bfloat16))  # d out
 
 
-def mix_inputs(t: int, n: int, hidden: int = HIDDEN, device="cuda") -> tuple:
-    return (_leaf(t, n, hidden, device=device), _leaf(t, hidden, device=device),
-            _leaf(hidden, scale=0.1, offset=1, device=device),
-            _leaf(1, hidden, scale=hidden**-0.5, device=device),
-            torch.randn(t, hidden, device=device, dtype=torch.bfloat16))
+def mix_inputs(t: int, n: int, hidden: int = HIDDEN, device="cuda", gen=None) -> tuple:
+    kw = dict(device=device, gen=gen)
+    return (_leaf(t, n, hidden, **kw), _leaf(t, hidden, **kw),
+            _leaf(hidden, scale=0.1, offset=1, **kw), _leaf(1, hidden, scale=hidden**-0.5, **kw),
+            torch.randn(t, hidden, device=device, generator=gen).to(torch.bfloat16))
 
 
 def full_bytes(t: int, n: int, hidden: int = HIDDEN) -> int:
@@ -123,32 +123,41 @@ def _errors(got, want) -> float:
     return max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
 
 
+def _largest(tensors) -> float:
+    """The largest magnitude among the output and the gradients (their ulps scale errors)."""
+    return max(float(t.float().abs().max()) for t in tensors)
+
+
 def run(tokens=TOKENS, blocks=BLOCKS, liger=None, *, device="cuda", hidden=HIDDEN,
-        timer=None) -> dict:
+        timer=None, seed: int = 0) -> dict:
+    """``seed``: the inputs' generator (the same inputs every run)."""
     timer = timer or cuda_graph_us
+    gen = torch.Generator(device=device).manual_seed(seed)
     rows = []
     for n in blocks:
         for t in tokens:
             row = {"T": t, "blocks": n, "floor_us": hbm_floor_us(full_bytes(t, n, hidden)),
                    "mix_floor_us": hbm_floor_us(mix_bytes(t, n, hidden))}
-            sets = [full_inputs(t, n, hidden, device)
+            sets = [full_inputs(t, n, hidden, device, gen)
                     for _ in range(sets_to_outgrow_l2(full_bytes(t, n, hidden)))]
             variants = {"eager": with_grads(full_step)}
             k3fusion.reset_match_counts()
             for name in ("inductor", "k3fusion"):
                 variants[name] = with_grads(compile_uncached(full_step, name))
             want = variants["eager"](*sets[0])
+            row["largest"] = _largest([want[0], *want[1]])
             for name, fn in variants.items():
                 got = fn(*sets[0])
                 row[f"{name}_max_diff"] = _errors([got[0], *got[1]], [want[0], *want[1]])
                 row[f"{name}_us"] = timer(fn, sets)
             row["k3fusion_matches"] = k3fusion.match_counts().get("attn_res", 0)
-            msets = [mix_inputs(t, n, hidden, device)
+            msets = [mix_inputs(t, n, hidden, device, gen)
                      for _ in range(sets_to_outgrow_l2(mix_bytes(t, n, hidden)))]
             k3fusion.reset_match_counts()
             mix = {name: with_grads(compile_uncached(mix_step, name))
                    for name in ("inductor", "k3fusion")}
             mix_want = with_grads(mix_step)(*msets[0])
+            row["mix_largest"] = _largest([mix_want[0], *mix_want[1]])
             for name, fn in mix.items():
                 got = fn(*msets[0])
                 row[f"mix_{name}_max_diff"] = _errors([got[0], *got[1]],
