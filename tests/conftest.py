@@ -57,10 +57,6 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The slow tests first (a stable sort: every worker collects the same order), so the
-    # long compiles are spread over the workers from the start instead of one of them
-    # finishing the run alone (docs/testing.md, "Running it").
-    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
