@@ -23,6 +23,8 @@ import warnings
 
 import torch
 
+from ._launch import cuda_index
+
 __all__ = ["launch_scratch", "ARENA_BYTES", "ARENA_LIMIT_BYTES", "SLICE_ALIGN_BYTES",
            "arena_stats", "graphs_die_within"]
 
@@ -81,10 +83,6 @@ def _zeroed_outside_any_pool(device: torch.device, nbytes: int) -> torch.Tensor:
     return made[0]
 
 
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _has_room(arenas: list[_Arena]) -> bool:
     return bool(arenas) and arenas[-1].words.numel() - arenas[-1].used >= ARENA_BYTES // 4
 
@@ -93,7 +91,7 @@ def _grow_if_low(device: torch.device) -> None:
     """Outside a capture: make an arena where there is none or under a quarter is left.
     If that allocation fails (another thread's capture forbids it, no memory), nothing is
     made now: captured launches zero their own words until a later launch makes one."""
-    index = _index(device)
+    index = cuda_index(device)
     if _has_room(_arenas.get(index, [])):  # the common case, without the lock
         return
     with _lock:
@@ -108,7 +106,7 @@ def _grow_if_low(device: torch.device) -> None:
 
 
 def _graph_slice(device: torch.device, nbytes: int) -> torch.Tensor | None:
-    index = _index(device)
+    index = cuda_index(device)
     with _lock:
         arenas = _arenas.get(index) or []
         words = arenas[-1].take(nbytes) if arenas and nbytes <= ARENA_BYTES else None
@@ -146,8 +144,7 @@ def _fresh_zeros(device: torch.device, size: int, dtype: torch.dtype) -> torch.T
 
 def arena_stats(device: torch.device | int | None = None) -> dict[str, int]:
     """Arenas made on a CUDA device and bytes handed out to captured launches."""
-    index = (torch.cuda.current_device() if device is None
-             else device if isinstance(device, int) else _index(torch.device(device)))
+    index = device if isinstance(device, int) else cuda_index(torch.device(device or "cuda"))
     with _lock:
         arenas = _arenas.get(index, [])
         return {"arenas": len(arenas), "bytes_handed_out": sum(a.used for a in arenas)}
@@ -160,15 +157,14 @@ def graphs_die_within():
     again afterwards, so repeated captures do not use the arenas up. A graph that
     outlives it could share words with a later one: never wrap a model's capture in it."""
     with _lock:
-        saved = {i: [(a, a.used) for a in arenas] for i, arenas in _arenas.items()}
+        used_before = {id(a): a.used for arenas in _arenas.values() for a in arenas}
     try:
         yield
     finally:
         with _lock:
-            for index, arenas in _arenas.items():
-                before = dict((id(a), used) for a, used in saved.get(index, []))
+            for arenas in _arenas.values():
                 for arena in arenas:
-                    used = before.get(id(arena), 0)
+                    used = used_before.get(id(arena), 0)  # 0: made inside
                     if arena.used > used:
                         arena.words[used:arena.used].zero_()
                         arena.used = used

@@ -63,6 +63,7 @@ def test_eager_launches_get_fresh_words_and_make_one_arena(fake):
     words = [_scratch.launch_scratch(CUDA0, 100, torch.int64, reusable=True) for _ in range(3)]
     assert fake["fresh"] == 3 and fake["made"] == 1
     assert _scratch.arena_stats(0) == {"arenas": 1, "bytes_handed_out": 0}
+    assert _scratch.arena_stats(CUDA0) == _scratch.arena_stats("cuda:0") == _scratch.arena_stats(0)
     assert all(w.numel() == 100 and not w.any() for w in words)
 
 
