@@ -11,7 +11,7 @@ import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "kernels_are_interpreted", "check_launchable",
            "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait",
-           "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start",
+           "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start", "dependents_may_start",
            "DEFAULT_SMS", "num_sms", "byte_span", "spans_meet", "may_overlap", "same_view"]
 
 try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
@@ -120,13 +120,22 @@ def pdl_launch(device: torch.device, pdl: bool | None) -> bool:
 
 
 @triton.jit
-def dependent_start(PDL: tl.constexpr):
+def dependent_start(PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr = False):
     """First thing in a kernel with a ``PDL`` switch (see :func:`pdl_launch`): launched as
     the previous launch's programmatic dependent, it waits for it -- and through it for
     everything before -- before any load (weights included: a training step may have just
-    written them), then lets the next launch start."""
+    written them), then lets the next launch start (``LATE_TRIGGER``: not yet; the kernel
+    calls :func:`dependents_may_start` after its last store)."""
     if PDL:
         gdc_wait()
+        if not LATE_TRIGGER:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def dependents_may_start(PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
+    """Last thing in a kernel whose :func:`dependent_start` left the trigger for later."""
+    if PDL and LATE_TRIGGER:
         gdc_launch_dependents()
 
 

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (cdiv, check_launchable, dependent_start, interpreter_enabled,
-                      on_tensor_device, pdl_launch)
+from ._launch import (cdiv, check_launchable, dependent_start, dependents_may_start,
+                      interpreter_enabled, on_tensor_device, pdl_launch)
 from ._scratch import launch_scratch
 
 __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SPLIT_NUM_WARPS",
@@ -37,6 +37,10 @@ __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SP
            "SPLIT_CHUNK", "SPLIT_MAX_PROGRAMS", "SPLIT_MAX_SOURCES", "PREFILL_LOOP_STAGES",
            "EARLY_TILE_MAX_TOKENS", "LAUNCH_TABLE", "TILE_MAX_PER_THREAD", "table_shape",
            "parse_shape"]
+
+#: Switch for measurements (docs/bench-methods.md, ``--late-trigger``): True lets a PDL
+#: launch's dependents start after its last store instead of at its start.
+LATE_TRIGGER = False
 
 #: From this many tokens on, the row kernel uses its prefill shape (docs/experiments.md,
 #: "2026-11-29: the pipelined source loop (prefill shape from 256 tokens)"; summary: "kernels/attn_res.py").
@@ -231,9 +235,10 @@ def _attn_res_kernel(
     HAS_OUT_NORM: tl.constexpr,
     OUT_WEIGHT_IN_FP32: tl.constexpr,
     PDL: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):
     """One program per token (``grid = (T,)``), online softmax over the sources."""
-    dependent_start(PDL)
+    dependent_start(PDL, LATE_TRIGGER)
     tok = tl.program_id(0).to(tl.int64)  # int64: token * stride overflows int32
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
@@ -292,6 +297,7 @@ def _attn_res_kernel(
         inv_rms = tl.rsqrt(tl.sum(y * y, axis=0) / H + out_eps)
     _store_output(out_ptr + tok * out_stride + cols, mixed, cmask, out_norm_w_ptr + cols,
                   inv_rms, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
+    dependents_may_start(PDL, LATE_TRIGGER)
 
 
 # ---------------------------------------------------------------------- split kernel
@@ -375,12 +381,13 @@ def _attn_res_split_kernel(
     OUT_WEIGHT_IN_FP32: tl.constexpr,
     PHASE: tl.constexpr,
     PDL: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):
     """``grid = (N_CHUNKS, T)``: program ``(c, t)`` owns columns ``[c*CHUNK, (c+1)*CHUNK)``
     of token ``t``. ``PHASE`` 0 runs all of it, exchanging through epoch-tagged words;
     the interpreter runs 1 (up to the source sums), 2 (up to the mix's sum of squares, or
     the output when there is no norm) and 3 (the normed output) as separate launches."""
-    dependent_start(PDL)
+    dependent_start(PDL, LATE_TRIGGER)
     chunk = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -485,6 +492,7 @@ def _attn_res_split_kernel(
                 _publish(sq_ptr, tl.full([], 0.0, tl.float32), epoch, PHASE)
             _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
                           out_norm_w_ptr + cols, 0.0, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
+    dependents_may_start(PDL, LATE_TRIGGER)
 
 
 # ---------------------------------------------------------------------- launch
@@ -717,7 +725,8 @@ def attn_res(
     flags = dict(HAS_DELTA=has_delta, WRITE_BLOCK=write, HAS_OUT_NORM=has_norm,
                  OUT_WEIGHT_IN_FP32=bool(out_weight_in_fp32), NUM_BLOCKS=int(num_blocks),
                  num_warps=shape.num_warps,
-                 PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+                 PDL=pdl, LATE_TRIGGER=pdl and LATE_TRIGGER,
+                 **({"launch_pdl": True} if pdl else {}))
     if shape.kind == "row":
         _attn_res_kernel[(T,)](*common, H, float(eps), float(out_eps),
                                BLOCK_H=shape.block_h, SOURCES_PER_TILE=shape.sources_per_tile,

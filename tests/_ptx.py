@@ -52,14 +52,19 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32),
     return run_compile_script(script, what)
 
 
-def assert_pdl_order(ptx: str, pdl: bool) -> None:
+def assert_pdl_order(ptx: str, pdl: bool, late_trigger: bool = False) -> None:
     """A ``PDL`` form waits for the previous launch (griddepcontrol.wait) before any global
-    load, then lets the next launch start; without PDL neither instruction is there."""
+    load, then lets the next launch start -- at once, or with ``late_trigger`` after its
+    last global store; without PDL neither instruction is there."""
     lines = [x.strip() for x in ptx.splitlines()]
     at = [i for i, x in enumerate(lines) if "griddepcontrol.wait" in x]
     go = [i for i, x in enumerate(lines) if "griddepcontrol.launch_dependents" in x]
     loads = [i for i, x in enumerate(lines) if "ld.global" in x]
-    if pdl:
+    stores = [i for i, x in enumerate(lines) if "st.global" in x]
+    if pdl and late_trigger:
+        assert len(at) == 1 and len(go) == 1 and at[0] < min(loads), (at, loads[:1])
+        assert go[0] > max(stores), (go, stores[-1:])
+    elif pdl:
         assert len(at) == 1 and len(go) == 1 and at[0] < go[0] < min(loads), (at, go)
     else:
         assert not at and not go

@@ -869,10 +869,11 @@ def test_pdl_form_waits_before_its_first_load(kernel: str) -> None:
                   EARLY_TILE=True) if kernel == "_attn_res_kernel" else
              dict(CHUNK=1024, NUM_BLOCKS=3, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=4, PHASE=0))
     const.update(HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False)
-    for pdl in (True, False):
-        ptx = hopper_ptx(f"k3fusion.kernels.attn_res:{kernel}", f"{kernel} PDL={pdl}",
-                         dict(const, PDL=pdl), pointers={"words_ptr": "*i64"})
-        assert_pdl_order(ptx, pdl)
+    for pdl, late in ((True, False), (True, True), (False, False)):
+        ptx = hopper_ptx(f"k3fusion.kernels.attn_res:{kernel}",
+                         f"{kernel} PDL={pdl} LATE_TRIGGER={late}",
+                         dict(const, PDL=pdl, LATE_TRIGGER=late), pointers={"words_ptr": "*i64"})
+        assert_pdl_order(ptx, pdl, late)
 
 
 # --------------------------------------------------------------- the tolerance helpers

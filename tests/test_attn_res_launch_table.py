@@ -229,7 +229,8 @@ def test_compiled_and_eager_paths_pick_the_same_launch(monkeypatch, H: int, nb: 
 
     monkeypatch.setattr(MOD, "pick_launch_shape", spy)
     T = 3
-    args = sweep.make_inputs(T, H, "cpu", seed=nb)
+    # The interpreter on CPU, the GPU where there is one (its CPU tensors take no kernel).
+    args = sweep.make_inputs(T, H, "cuda" if torch.cuda.is_available() else "cpu", seed=nb)
 
     compiled = torch.compile(lambda *a: sweep.chain(*a, nb=nb), backend="k3fusion",
                              fullgraph=True)

@@ -141,6 +141,31 @@ def test_no_pdl_reaches_every_timed_launch(tmp_path, monkeypatch) -> None:
     assert json.loads((tmp_path / "b" / "attn_res_sweep.json").read_text())["pdl"] == "off"
 
 
+def test_late_trigger_reaches_every_timed_launch(tmp_path, monkeypatch) -> None:
+    """``--late-trigger`` (a probe of where PDL's trigger belongs): every k3fusion launch of
+    the run sees the kernels' switch on, the run says so; with ``--no-pdl`` it is refused."""
+    import k3fusion.kernels.attn_res as kernels
+
+    seen = []
+    real = sweep.launch
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("pdl", "missing"), kernels.LATE_TRIGGER))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "launch", spy)
+    monkeypatch.setattr(sweep, "PDL", None)
+    monkeypatch.setattr(kernels, "LATE_TRIGGER", False)  # main sets it: restored after
+    argv = ["--dry-run", "--chosen-only", "--num-blocks", "4", "--tokens", "1",
+            "--skip-inductor", "--jobs", "0"]
+    assert sweep.main(argv + ["--late-trigger", "--out", str(tmp_path / "a")]) == 0
+    assert seen and set(seen) == {(None, True)}
+    result = json.loads((tmp_path / "a" / "attn_res_sweep.json").read_text())
+    assert result["pdl"] == "auto, late trigger"
+    with pytest.raises(SystemExit):
+        sweep.main(argv + ["--late-trigger", "--no-pdl", "--out", str(tmp_path / "b")])
+
+
 def test_heatmap_from_the_committed_sweep(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from pathlib import Path

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from k3fusion import reference
+from k3fusion.kernels import attn_res as attn_res_kernels
 from k3fusion.kernels.attn_res import attn_res as launch
 from k3fusion.kernels.attn_res import pick_launch_shape, tile_rows
 
@@ -383,10 +384,18 @@ def bytes_only(args, nb: int, out, chunk: int, num_warps: int) -> None:
 # ---------------------------------------------------------------------- precompile pool
 
 
-def _worker_init(pdl: bool | None = None) -> None:
+def _pdl_label() -> str:
+    if PDL is False:
+        return "off"
+    return "auto, late trigger" if attn_res_kernels.LATE_TRIGGER else "auto"
+
+
+def _worker_init(pdl: bool | None = None, late_trigger: bool = False) -> None:
     global PDL
     inductor_config.compile_threads = 1  # the pool is the parallelism
-    PDL = pdl  # the launches the main process will time (a spawned worker starts afresh)
+    # the launches the main process will time (a spawned worker starts afresh)
+    PDL = pdl
+    attn_res_kernels.LATE_TRIGGER = late_trigger
 
 
 def _precompile(task):
@@ -442,7 +451,8 @@ def precompile(hiddens, num_blocks, tokens, inductor: bool, jobs: int,
         # whatever is left compiles in this process, inside the sweep.
 
         pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"),
-                                   initializer=_worker_init, initargs=(PDL,))
+                                   initializer=_worker_init,
+                                   initargs=(PDL, attn_res_kernels.LATE_TRIGGER))
         futures = {pool.submit(_precompile, t): t[:3] for t in tasks}
         done, pending = wait(futures, timeout=timeout_s)
         for f in done:
@@ -482,7 +492,7 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
     result = {"bench": "attn_res_sweep", "hiddens": list(hiddens),
               "num_blocks": list(num_blocks), "tokens": list(tokens), "dry_run": dry_run,
               "inductor": inductor, "chosen_only": chosen_only, "out_ulps_bound": OUT_ULPS,
-              "pdl": "off" if PDL is False else "auto", "points": [],
+              "pdl": _pdl_label(), "points": [],
               "precompile_errors": {}, "peers": peer_kernels.sources(peers)}
     if dry_run:
         result.update(date=time.strftime("%Y-%m-%d"), gpu="cpu (interpreter)",
@@ -835,6 +845,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-pdl", action="store_true",
                    help="launch k3fusion's kernels without PDL (not as programmatic dependents "
                         "of the launch before): a probe of what PDL costs or gives")
+    p.add_argument("--late-trigger", action="store_true",
+                   help="k3fusion's PDL launches let the next launch start after their last "
+                        "store, not at their start: a probe of where the trigger belongs")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="no new Inductor compiles after this many seconds of the sweep")
     add_peers_argument(p)
@@ -842,7 +855,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     peers = peer_kernels.from_args(p, args, "attn_res")
     global FOCUS, PDL
+    if args.no_pdl and args.late_trigger:
+        p.error("--late-trigger moves PDL's trigger: it needs PDL (drop --no-pdl)")
     PDL = False if args.no_pdl else None
+    attn_res_kernels.LATE_TRIGGER = args.late_trigger
     FOCUS = tuple(args.focus) if args.focus else None
     if args.tables_from:
         result = json.loads(args.tables_from.read_text())
