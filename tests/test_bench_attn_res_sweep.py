@@ -166,6 +166,40 @@ def test_late_trigger_reaches_every_timed_launch(tmp_path, monkeypatch) -> None:
         sweep.main(argv + ["--late-trigger", "--no-pdl", "--out", str(tmp_path / "b")])
 
 
+@pytest.mark.skipif(not kernels_are_interpreted(), reason="the dry run is the CPU form")
+@pytest.mark.parametrize("rotated", [False, True])
+def test_timed_launches_allocate_their_output_per_call_as_the_peers(tmp_path, monkeypatch,
+                                                                    rotated: bool) -> None:
+    """k3fusion's timed launches write an output allocated in the call, as a peer's wrapper
+    and a compiled graph allocate theirs (inside a capture the pool hands the same block
+    back each call); ``--rotated-outputs``: the input set's own preallocated output."""
+    timing, outs_given, outs_written = [False], [], []
+    real = sweep.launch
+
+    def spy(*args, **kwargs):
+        if timing[0]:
+            outs_written.append(args[6])
+        return real(*args, **kwargs)
+
+    def timer(fn, sets, T):
+        timing[0] = True
+        try:
+            outs_given.extend(s[6] for s in sets if len(s) == 7)
+            fn(*sets[0])
+        finally:
+            timing[0] = False
+        return 1.0
+
+    monkeypatch.setattr(sweep, "launch", spy)
+    monkeypatch.setattr(sweep, "ROTATED_OUTPUTS", rotated)
+    result = sweep.run([64], [2], [3], inductor=False, dry_run=True, out_dir=tmp_path,
+                       budget_s=60, jobs=0, chosen_only=True, timer=timer)
+    assert result["outputs"] == ("rotated" if rotated else "per call")
+    assert outs_written and outs_given
+    given = {id(o) for o in outs_given}
+    assert all((id(o) in given) == rotated for o in outs_written)
+
+
 def test_heatmap_from_the_committed_sweep(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from pathlib import Path

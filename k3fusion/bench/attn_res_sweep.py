@@ -80,6 +80,15 @@ FOCUS: tuple[str, ...] | None = None
 #: ``--no-pdl``: k3fusion's launches not as programmatic dependents (None: wherever the GPU
 #: can, the default).
 PDL: bool | None = None
+#: ``--rotated-outputs``: k3fusion's timed launches write one preallocated output per input
+#: set (cold lines) instead of one allocated in each call -- as the peers' wrappers and
+#: compiled graphs allocate theirs, so the graph's pool hands the same block back each call.
+ROTATED_OUTPUTS = False
+
+
+def timed_out(rotated):
+    """The output a timed k3fusion launch writes (``ROTATED_OUTPUTS``)."""
+    return rotated if ROTATED_OUTPUTS else torch.empty_like(rotated)
 
 
 def _pow2(n: int) -> int:
@@ -492,7 +501,8 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
     result = {"bench": "attn_res_sweep", "hiddens": list(hiddens),
               "num_blocks": list(num_blocks), "tokens": list(tokens), "dry_run": dry_run,
               "inductor": inductor, "chosen_only": chosen_only, "out_ulps_bound": OUT_ULPS,
-              "pdl": _pdl_label(), "points": [],
+              "pdl": _pdl_label(),
+              "outputs": "rotated" if ROTATED_OUTPUTS else "per call", "points": [],
               "precompile_errors": {}, "peers": peer_kernels.sources(peers)}
     if dry_run:
         result.update(date=time.strftime("%Y-%m-%d"), gpu="cpu (interpreter)",
@@ -555,7 +565,8 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
                     if "error" in v:
                         continue
                     try:
-                        v["us"] = timer(lambda *a, kw=kw: launch_step(a[:6], nb, a[6], kw),
+                        v["us"] = timer(lambda *a, kw=kw: launch_step(a[:6], nb,
+                                                                      timed_out(a[6]), kw),
                                         [s + (o,) for s, o in zip(sets[T], outs[T])], T)
                     except Exception as e:
                         v["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -579,7 +590,8 @@ def run(hiddens, num_blocks, tokens, *, inductor: bool, dry_run: bool, out_dir: 
                         name = f"bytes-only {chunk or 'row'}x{w}"
                         try:
                             point.setdefault("bytes_only", {})[name] = timer(
-                                lambda *a, c=chunk, w=w: bytes_only(a[:6], nb, a[6], c, w),
+                                lambda *a, c=chunk, w=w: bytes_only(a[:6], nb,
+                                                                    timed_out(a[6]), c, w),
                                 [s + (o,) for s, o in zip(sets[T], outs[T])], T)
                         except Exception as e:
                             point.setdefault("bytes_only_errors", {})[name] = str(e)[:300]
@@ -848,13 +860,18 @@ def main(argv=None) -> int:
     p.add_argument("--late-trigger", action="store_true",
                    help="k3fusion's PDL launches let the next launch start after their last "
                         "store, not at their start: a probe of where the trigger belongs")
+    p.add_argument("--rotated-outputs", action="store_true",
+                   help="k3fusion's timed launches write one preallocated output per input "
+                        "set (the method before 2026-12-04's evening) instead of allocating "
+                        "it in each call as the peers and compiled graphs do: an A/B")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="no new Inductor compiles after this many seconds of the sweep")
     add_peers_argument(p)
     add_scratch_argument(p)
     args = p.parse_args(argv)
     peers = peer_kernels.from_args(p, args, "attn_res")
-    global FOCUS, PDL
+    global FOCUS, PDL, ROTATED_OUTPUTS
+    ROTATED_OUTPUTS = args.rotated_outputs
     if args.no_pdl and args.late_trigger:
         p.error("--late-trigger moves PDL's trigger: it needs PDL (drop --no-pdl)")
     PDL = False if args.no_pdl else None
