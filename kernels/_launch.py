@@ -11,7 +11,8 @@ import triton.language as tl
 
 __all__ = ["cdiv", "interpreter_enabled", "kernels_are_interpreted", "check_launchable",
            "on_tensor_device", "TL_DTYPES", "gdc_launch_dependents", "gdc_wait",
-           "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start", "dependents_may_start",
+           "cuda_properties", "cuda_index", "pdl_available", "pdl_launch", "dependent_start",
+           "dependents_may_start",
            "DEFAULT_SMS", "num_sms", "byte_span", "spans_meet", "may_overlap", "same_view"]
 
 try:  # programmatic dependent launch (sm_90+): a norm launch's overlap with the kernel after it
