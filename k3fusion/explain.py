@@ -24,14 +24,14 @@ from .counters import match_counts, reset_match_counts
 from .pass_manager import K3FusionPass
 from .patterns._fx import NoMatch
 from .patterns.registry import claim_order
-from .patterns.rms_norm import inverse_rms
+from .patterns.rms_norm import ANCHORS, inverse_rms
 
 __all__ = ["Candidate", "Explanation", "explain"]
 
 #: debug log line -> (what the candidate is, its anchor node's name, the reason): each
 #: fusion's miss lines, then the rsqrt ops the norm recognizer refused.
 _LINES = [(f.miss_line, f.miss_kind) for f in claim_order()] + [
-    (re.compile(r"^rsqrt (\S+) not recognized as RMSNorm: (.*)$"), "rsqrt"),
+    (re.compile(r"^r?sqrt (\S+) not recognized as RMSNorm: (.*)$"), "rsqrt"),
 ]
 
 #: An rsqrt of ``mean(x**2) + eps`` the norm matcher refused (Gemma's ``1 + w``, a weight
@@ -107,8 +107,8 @@ def _where(node: torch.fx.Node, max_steps: int = 64) -> str:
 
 
 def _computes_rms(node: torch.fx.Node) -> bool:
-    """``node`` is an rsqrt of ``mean(x**2, -1) + eps``: the start of an RMSNorm."""
-    if node.target is not torch.ops.aten.rsqrt.default:
+    """``node`` is an rsqrt (or sqrt) of ``mean(x**2, -1) + eps``: the start of an RMSNorm."""
+    if node.target not in ANCHORS:
         return False
     try:
         inverse_rms(node)
@@ -159,7 +159,8 @@ def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False
     the config and grad mode in force (no compile cache, so every graph goes through the
     pass), then print and return what was fused and why each other candidate was not.
     Progress goes to stderr, a line per compiled graph. ``verbose`` also lists rsqrt ops
-    that are no RMSNorm; ``quiet`` prints nothing."""
+    that are no RMSNorm (a sqrt is listed only when it is one, refused); ``quiet`` prints
+    nothing."""
     progress = StageProgress(quiet)
     log = logging.getLogger("k3fusion")
     handler, level = _Collect(), log.level

@@ -33,7 +33,7 @@ from .patterns._fx import (CHANGE_HOOK, SavedValues, is_backward_graph, joint_ba
                            recompute_in_backward, restore, saved_for_backward, saving, snapshot)
 from .patterns.fusion import Fusion
 from .patterns.registry import claim_order
-from .patterns.rms_norm import find_rms_norms
+from .patterns.rms_norm import anchor_name, find_rms_norms
 
 __all__ = ["K3FusionPass", "K3JointPass", "ComposedPass", "compose_with"]
 
@@ -160,7 +160,8 @@ class K3FusionPass(CustomGraphPass):
             for miss in misses:
                 log.info("%s", miss)
             for r in rejected:
-                log.info("rsqrt %s not recognized as RMSNorm: %s", r.anchor.name, r.reason)
+                log.info("%s %s not recognized as RMSNorm: %s", anchor_name(r.anchor),
+                         r.anchor.name, r.reason)
 
     def _record(self, graph: Graph, counts: dict[str, int]) -> None:
         # Recorded in torch's inductor counters, which Inductor saves with a cached graph

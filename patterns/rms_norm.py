@@ -5,12 +5,14 @@ The forms users write all lower to the same aten skeleton around one ``rsqrt``::
     x32      = x.to(float32)                   # absent when x is already fp32
     inv_rms  = rsqrt(mean(x32 ** 2, -1, keepdim=True) + eps)   # or x32 * x32
     normed   = x32 * inv_rms                   # either operand order
+               # or x32 / sqrt(mean(...) + eps): the RMSNorm classes written from scratch
     cast-then-weight (HF, vLLM forward_native):   y = normed.to(x.dtype) * w
     weight-in-fp32 (F.rms_norm, nn.RMSNorm, ...): y = (normed * w.float()).to(x.dtype)
 
 The pattern matcher of Inductor does no algebra, so instead of one traced pattern per
 variant (pow vs. mul, operand order, dtype, dim -1 vs. ndim-1, add.Tensor vs. add.Scalar)
-this module walks outward from each ``rsqrt`` and accepts exactly the variants above.
+this module walks outward from each ``rsqrt`` (and each ``sqrt`` that a row is divided by)
+and accepts exactly the variants above.
 
 What it returns and what it refuses (near misses): docs/design-notes.md, "patterns/rms_norm.py".
 """
@@ -31,7 +33,7 @@ from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op
                   operands, prims, val)
 
 __all__ = ["RMSNormMatch", "RMSNormRejection", "find_rms_norms", "match_rms_norm",
-           "inverse_rms", "upcast_input", "parameter_weight", "derived_from_input",
+           "ANCHORS", "anchor_name", "inverse_rms", "upcast_input", "parameter_weight", "derived_from_input",
            "same_input", "eps_op_args"]
 
 _ADD = (aten.add.Tensor, aten.add.Scalar)
@@ -68,17 +70,28 @@ class RMSNormMatch:
 
 @dataclass
 class RMSNormRejection:
-    """An ``rsqrt`` that looked like the start of an RMSNorm but is not one we can fuse."""
+    """An ``rsqrt`` (or ``sqrt(variance + eps)``) that looked like the start of an RMSNorm
+    but is not one we can fuse."""
 
     anchor: Node
     reason: str
 
 
+#: Where a norm is anchored: ``x32 * rsqrt(variance + eps)`` or ``x32 / sqrt(variance + eps)``.
+ANCHORS = (aten.rsqrt.default, aten.sqrt.default)
+
+
+def anchor_name(anchor: Node) -> str:
+    """``"rsqrt"`` or ``"sqrt"``: how the log lines name an anchor."""
+    return "sqrt" if is_op(anchor, aten.sqrt.default) else "rsqrt"
+
+
 def inverse_rms(rsqrt: Node) -> tuple[Node, float | Node, list[Node]]:
-    """``rsqrt(mean(x32**2, -1, keepdim=True) + eps)`` -> (x32, eps, nodes)."""
+    """``rsqrt(mean(x32**2, -1, keepdim=True) + eps)`` (or the ``sqrt`` a row is divided
+    by) -> (x32, eps, nodes)."""
     add = rsqrt.args[0]
     if not is_op(add, *_ADD) or add.kwargs.get("alpha", 1) != 1:
-        raise NoMatch("rsqrt input is not `variance + eps`")
+        raise NoMatch(f"{anchor_name(rsqrt)} input is not `variance + eps`")
     mean, eps = add.args
     if not is_op(mean, aten.mean.dim):  # eps + variance
         mean, eps = eps, mean
@@ -183,9 +196,17 @@ def match_rms_norm(rsqrt: Node) -> RMSNormMatch:
     x_dtype = dtype_of(x)
 
     normed = only_user(rsqrt)
-    if not is_op(normed, *_MUL):
+    if is_op(rsqrt, aten.sqrt.default):
+        # x32 / sqrt(...): the same function; the op's rsqrt-and-multiply differs from the
+        # division in the last fp32 place, below any 16-bit output's rounding
+        if not (is_op(normed, aten.div.Tensor) and normed.args[1] is rsqrt
+                and normed.args[0] is not rsqrt):
+            raise NoMatch("the input is not divided by sqrt")
+        nodes += same_input(normed.args[0], x32) + [normed]
+    elif not is_op(normed, *_MUL):
         raise NoMatch("rsqrt is not multiplied with the input")
-    nodes += same_input(operands(normed, rsqrt), x32) + [normed]
+    else:
+        nodes += same_input(operands(normed, rsqrt), x32) + [normed]
 
     step = only_user(normed)
     x_round = None
@@ -238,13 +259,24 @@ def eps_op_args(eps: float | Node) -> tuple[float, Node | None]:
 
 
 def find_rms_norms(graph: Graph) -> tuple[list[RMSNormMatch], list[RMSNormRejection]]:
-    """All RMSNorms in ``graph`` (in graph order), and the rsqrt sites that were not."""
+    """All RMSNorms in ``graph`` (in graph order), and the rsqrt sites that were not (and
+    the ``sqrt(variance + eps)`` ones: any other sqrt is no candidate at all)."""
     matches, rejections = [], []
     for node in graph.nodes:
-        if not is_op(node, aten.rsqrt.default):
+        if not is_op(node, *ANCHORS):
             continue
         try:
             matches.append(match_rms_norm(node))
         except NoMatch as e:
+            if is_op(node, aten.sqrt.default) and not _is_inverse_rms(node):
+                continue
             rejections.append(RMSNormRejection(node, str(e)))
     return matches, rejections
+
+
+def _is_inverse_rms(anchor: Node) -> bool:
+    try:
+        inverse_rms(anchor)
+    except NoMatch:
+        return False
+    return True

@@ -36,6 +36,9 @@ NORM_MUTATIONS: dict[str, tuple[bool, str]] = {
     "mean_other_dim": (False, "the mean over dim -2"),
     "no_keepdim": (None, "the mean without keepdim, unsqueezed back (same function)"),
     "eps_outside_sqrt": (False, "rsqrt(variance) + eps"),
+    # the RMSNorm classes written from scratch: x / torch.sqrt(torch.mean(x ** 2, ...) + eps)
+    "div_by_sqrt": (True, "x / sqrt(variance + eps) instead of x * rsqrt(...)"),
+    "div_by_sqrt_eps_outside": (False, "x / (sqrt(variance) + eps)"),
     "bias_inside": (False, "a bias added to the normalized row before the weight"),
     "temperature": (False, "the normalized row scaled by a constant"),
     "weight_other_dim": (False, "a weight broadcast over the token dim ([T, 1])"),
@@ -101,6 +104,10 @@ class Norm(nn.Module):
             variance = hidden_states.pow(2).mean(-1, keepdim=True)
         if m == "eps_outside_sqrt":
             hidden_states = hidden_states * (torch.rsqrt(variance) + self.eps)
+        elif m == "div_by_sqrt":
+            hidden_states = hidden_states / torch.sqrt(variance + self.eps)
+        elif m == "div_by_sqrt_eps_outside":
+            hidden_states = hidden_states / (torch.sqrt(variance) + self.eps)
         elif m == "no_keepdim":
             hidden_states = hidden_states * torch.rsqrt(variance + self.eps).unsqueeze(-1)
         else:

@@ -134,6 +134,28 @@ def test_refused_norms_are_in_the_default_output_with_their_line(capsys):
     assert "nothing left unfused" not in out
 
 
+class GemmaNormBySqrt(GemmaNorm):
+    """The same Gemma norm written as a division by ``sqrt``, and a sqrt that is no norm."""
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)  # THE SQRT LINE
+        return (y * (1.0 + self.weight.float())).to(x.dtype) + torch.sqrt(x32.abs())
+
+
+def test_a_refused_norm_written_with_sqrt_is_listed_and_other_sqrts_are_not(capsys):
+    model = GemmaMLA()
+    model.q_a_layernorm, model.kv_a_layernorm = GemmaNormBySqrt(24), GemmaNormBySqrt(16)
+    with torch.no_grad():
+        r = k3fusion.explain(model, torch.randn(3, 32), verbose=True)
+    assert r.matches["qkv_rmsnorm"] == 0
+    refused = [c for c in r.not_fused if c.kind == REFUSED_NORM]
+    assert len(refused) == 2, r.not_fused
+    assert all("weight is computed in the graph" in c.reason and "THE SQRT LINE" in c.where
+               for c in refused), refused
+    assert len(r.not_fused) == 2, r.not_fused  # sqrt(|x|) is no candidate, even verbose
+
+
 def test_progress_is_a_line_per_compiled_graph(capsys):
     with torch.no_grad():
         k3fusion.explain(Step(), *_inputs())

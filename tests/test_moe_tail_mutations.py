@@ -141,6 +141,15 @@ def test_mutated_tail_fuses_exactly_when_it_is_still_the_tail(d):
     check_draw(*d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mutation,fused", [("div_by_sqrt", 1), ("div_by_sqrt_eps_outside", 0)])
+def test_latent_norm_written_as_a_division_by_sqrt(mutation, fused, dtype):
+    """The latent norm as ``x / sqrt(mean(x ** 2) + eps)`` (a from-scratch RMSNorm class) is
+    the tail's norm; with eps outside the sqrt it is not."""
+    assert check_draw("hf", mutation, "none", dtype, (2, 3)) == fused
+    assert check_draw("vllm", mutation, "none", dtype, (1,), dynamic=True) == fused
+
+
 @pytest.mark.parametrize("spelling", ["hf", "vllm", "f_rms_norm", "nn_rmsnorm"])
 def test_public_spellings_fuse(spelling):
     """Every public spelling fuses unmutated (the random draws may not hit each)."""

@@ -156,6 +156,17 @@ def test_mutated_mla_front_fuses_exactly_when_it_is_still_the_pair(d):
     check_draw(*d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mutation,fused", [("div_by_sqrt", 1), ("div_by_sqrt_eps_outside", 0)])
+def test_norms_written_as_a_division_by_sqrt(mutation, fused, dtype):
+    """``x / torch.sqrt(torch.mean(x ** 2, -1, keepdim=True) + eps)``, the RMSNorm class
+    written from scratch, is the op's norm (the pair fuses); with eps outside the sqrt it
+    is not (the graph stays as it was). Both members so written, in every dtype."""
+    module_draw = (mutation, "q", "none", ("hf", "vllm"), dtype, (2, 3))
+    assert check_draw(*module_draw) == fused
+    assert check_draw(mutation, "kv", "none", ("vllm", "hf"), dtype, (1,), dynamic=True) == fused
+
+
 @pytest.mark.parametrize("spellings", [("hf", "hf"), ("vllm", "f_rms_norm"),
                                        ("nn_rmsnorm", "hf")])
 def test_public_spellings_fuse(spellings):
