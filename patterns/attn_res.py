@@ -440,6 +440,12 @@ def parameter_weight_2d(node: object) -> tuple[Node, list[Node]]:
     return node, nodes
 
 
+def _divided_by_sqrt(node: object) -> bool:
+    """``x / sqrt(...)``: a row divided by a square root (its norm is checked after)."""
+    return (is_op(node, aten.div.Tensor) and is_op(node.args[1], aten.sqrt.default)
+            and node.args[0] is not node.args[1])
+
+
 def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[Node]]:
     """RMSNorm of the sources -> (sources, norm weight or None (weight 1), eps, x32, nodes).
 
@@ -452,9 +458,12 @@ def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[N
     if is_op(step, _CAST):  # weight-in-fp32 keys cast back to the model dtype
         nodes.append(step)
         step = step.args[0]
-    if not is_op(step, _MUL):
+    if _divided_by_sqrt(step):
+        candidates = [(keys, None)]  # x32 / sqrt(...) (cast back): no weight
+        nodes = []
+    elif not is_op(step, _MUL):
         raise NoMatch("keys are not a weighted norm")
-    if any(is_op(o, aten.rsqrt.default) for o in step.args):
+    elif any(is_op(o, aten.rsqrt.default) for o in step.args):
         candidates = [(keys, None)]  # x32 * rsqrt(...) (cast back): no weight
         nodes = []
     else:
@@ -465,19 +474,24 @@ def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[N
         cast = None
         if is_op(inner, _CAST):
             cast, inner = inner, inner.args[0]
-        if not is_op(inner, _MUL):
-            continue
-        scale = next((o for o in inner.args if is_op(o, aten.rsqrt.default)
-                      or (is_op(o, _CAST) and is_op(o.args[0], aten.rsqrt.default))), None)
-        if scale is None:
-            continue
-        # x * rsqrt(...).to(x.dtype): the scale rounded to the sources' dtype (checked
-        # below), the product in it; the kernel keeps both in fp32
-        rsqrt = scale.args[0] if is_op(scale, _CAST) else scale
-        x32, eps, rms_nodes = inverse_rms(rsqrt)
-        rms_nodes += same_input(operands(inner, scale), x32)
-        if scale is not rsqrt:
-            rms_nodes.append(scale)
+        if _divided_by_sqrt(inner):
+            # x32 / sqrt(...): the rsqrt form's function (patterns/rms_norm.py)
+            x32, eps, rms_nodes = inverse_rms(inner.args[1])
+            rms_nodes += same_input(inner.args[0], x32)
+        else:
+            if not is_op(inner, _MUL):
+                continue
+            scale = next((o for o in inner.args if is_op(o, aten.rsqrt.default)
+                          or (is_op(o, _CAST) and is_op(o.args[0], aten.rsqrt.default))), None)
+            if scale is None:
+                continue
+            # x * rsqrt(...).to(x.dtype): the scale rounded to the sources' dtype (checked
+            # below), the product in it; the kernel keeps both in fp32
+            rsqrt = scale.args[0] if is_op(scale, _CAST) else scale
+            x32, eps, rms_nodes = inverse_rms(rsqrt)
+            rms_nodes += same_input(operands(inner, scale), x32)
+            if scale is not rsqrt:
+                rms_nodes.append(scale)
         if w_side is None:
             norm_w, w_nodes = None, []
         else:

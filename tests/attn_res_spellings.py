@@ -24,7 +24,10 @@ Spellings of the step (``SPELLINGS``):
   [partial_block]).movedim(0, -2)``, then the sources-last step;
 * ``matvec``: logits ``K @ proj.weight.squeeze()`` (matmul with a vector: torch lowers it
   to the keys flattened to rows, ``(rows * q).sum(1)`` in fp32, viewed back), the mix
-  ``(w.unsqueeze(-1) * V).sum(0)``.
+  ``(w.unsqueeze(-1) * V).sum(0)``;
+* ``scratch``: the official step with the parameter-free key norm community ports write
+  from scratch, ``x / torch.sqrt(torch.mean(x ** 2, dim=-1, keepdim=True) + eps)`` (here
+  on the fp32 upcast, cast back).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SPELLINGS = ("official", "linear", "query", "functional", "sources_last", "bank", "full",
-             "matvec", "movedim")
+             "matvec", "movedim", "scratch")
 
 
 class RMSNorm(nn.Module):
@@ -107,6 +110,9 @@ class AttnResModel(nn.Module):
         V = blocks if s == "bank" else torch.stack(blocks + [partial_block])  # [N+1, B, T, D]
         if s == "functional":
             K = F.rms_norm(V, (V.shape[-1],))
+        elif s == "scratch":
+            x = V.float()
+            K = (x / torch.sqrt(torch.mean(x ** 2, dim=-1, keepdim=True) + 1e-6)).to(V.dtype)
         else:
             K = norm(V)
         if s == "linear":
