@@ -127,11 +127,17 @@ def _softmax(div: Node) -> tuple[Node, int, list[Node]]:
     if not is_op(exp, aten.exp.default):
         raise NoMatch("not a softmax numerator")
     sub = exp.args[0]
-    if not (is_op(sub, aten.sub.Tensor) and sub.kwargs.get("alpha", 1) == 1):
+    scaled: list[Node] = []  # Inductor's form of softmax(l * 1), when it is one
+    if is_op(sub, aten.where.self):
+        logits, amax, scaled = _unit_scaled_shift(sub)
+    elif not (is_op(sub, aten.sub.Tensor) and sub.kwargs.get("alpha", 1) == 1):
         raise NoMatch("softmax without max subtraction")
-    logits, amax = sub.args
+    else:
+        logits, amax = sub.args
     if not isinstance(logits, Node) or val(sub).shape != val(logits).shape:
         raise NoMatch("softmax subtracts a broadcast value")
+    if scaled and not is_op(denom, aten.sum.dim_IntList):
+        raise NoMatch("not a softmax denominator")
     if is_op(denom, operator.getitem) and is_op(denom.args[0], *_online_softmax_ops()):
         # CUDA: prepare_softmax_online(logits, dim) -> (max, sum of exp)
         online = denom.args[0]
@@ -145,15 +151,65 @@ def _softmax(div: Node) -> tuple[Node, int, list[Node]]:
                 and keepdim_of(denom) and denom.kwargs.get("dtype") is None):
             raise NoMatch("not a softmax denominator")
         d = _one_dim(exp, denom.args[1])
-        if not (is_op(amax, aten.amax.default) and amax.args[0] is logits and keepdim_of(amax)
+        of = scaled[0] if scaled else logits  # the scaled form's max is of l * 1
+        if not (is_op(amax, aten.amax.default) and amax.args[0] is of and keepdim_of(amax)
                 and _one_dim(logits, amax.args[1]) == d):
             raise NoMatch("softmax without amax over its own dim")
-        nodes = [amax, sub, exp, denom, div]
+        nodes = scaled + [amax, sub, exp, denom, div]
     if dtype_of(logits) != torch.float32:
         raise NoMatch(f"softmax in {dtype_of(logits)}, not float32")
     if dtype_of(div) != torch.float32 or val(div).shape != val(logits).shape:
         raise NoMatch("softmax result is not the logits' shape in float32")
     return logits, d, nodes
+
+
+def _times_one(node: object) -> Node | None:
+    """``x * 1`` (exact) -> ``x``; None for anything else."""
+    if (is_op(node, _MUL) and isinstance(node.args[0], Node)
+            and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool)
+            and node.args[1] == 1):
+        return node.args[0]
+    return None
+
+
+def _unit_scaled_shift(where: Node) -> tuple[Node, Node, list[Node]]:
+    """Inductor's rewrite of ``softmax(l * s)``: ``where(finite(l * s), (l * sign -
+    amax(l * sign)) * |s|, l * s - amax(l * s))``. With ``s = 1`` both branches are exactly
+    ``l - amax(l)``, whatever the test picks -> (l, the second branch's amax, nodes: ``l *
+    1`` first, the test's nodes included). Any other ``s`` is a temperature the op does not
+    take: NoMatch."""
+    test, first, second = where.args
+    if not (is_op(second, aten.sub.Tensor) and second.kwargs.get("alpha", 1) == 1):
+        raise NoMatch("softmax without max subtraction")
+    scaled, amax = second.args
+    logits = _times_one(scaled)
+    if logits is None:
+        raise NoMatch("softmax of scaled logits (a temperature)")
+    inner = _times_one(first)
+    if not (is_op(inner, aten.sub.Tensor) and inner.kwargs.get("alpha", 1) == 1):
+        raise NoMatch("softmax of scaled logits (a temperature)")
+    signed, signed_max = inner.args
+    if not (_times_one(signed) is logits and is_op(signed_max, aten.amax.default)
+            and signed_max.args[0] is signed and is_op(amax, aten.amax.default)
+            and list(signed_max.args[1]) == list(amax.args[1])
+            and keepdim_of(signed_max) == keepdim_of(amax)):
+        raise NoMatch("softmax of scaled logits: branches differ")
+    return logits, amax, [scaled, second, signed, signed_max, inner, first,
+                          *_computed_from(test, scaled), where]
+
+
+def _computed_from(node: Node, root: Node) -> list[Node]:
+    """The nodes computing ``node`` from ``root`` and constants alone (``root`` excluded)."""
+    found, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if n is root or n in found:
+            continue
+        if not isinstance(n, Node) or n.op != "call_function":
+            raise NoMatch("softmax of scaled logits: the branch test reads other values")
+        found.append(n)
+        stack.extend(n.all_input_nodes)
+    return found
 
 
 def _minus_max(logits: Node, d: int) -> tuple[Node, list[Node]]:
@@ -446,6 +502,13 @@ def _divided_by_sqrt(node: object) -> bool:
             and node.args[0] is not node.args[1])
 
 
+def _whole_slice(node: object) -> bool:
+    """A step-1 slice that keeps every element (``x[..., -H:]`` of rows ``H`` wide)."""
+    return (is_op(node, aten.slice.Tensor) and isinstance(node.args[0], Node)
+            and (node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)) == 1
+            and val(node).shape == val(node.args[0]).shape)
+
+
 def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[Node]]:
     """RMSNorm of the sources -> (sources, norm weight or None (weight 1), eps, x32, nodes).
 
@@ -497,6 +560,8 @@ def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[N
         else:
             norm_w, w_nodes = parameter_weight(w_side, allow_upcast=True)
         sources, upcast = upcast_input(x32)
+        if _whole_slice(sources):  # keys from values[..., -H:]: the whole rows
+            upcast, sources = upcast + [sources], sources.args[0]
         for c in [cast] + [n for n in nodes + rms_nodes if is_op(n, _CAST) and n not in upcast]:
             if c is not None and c.args[1] not in (dtype_of(sources), torch.float32):
                 raise NoMatch(f"keys rounded to {c.args[1]}, the sources are {dtype_of(sources)}")

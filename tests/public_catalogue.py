@@ -54,12 +54,18 @@ class Entry:
     inputs_kind: str = "h"
     #: what differs in bf16 (a site that cannot fuse there), with the reason
     bf16: tuple[dict[str, int], list[int], str] | None = None
+    #: what differs compiled with ``dynamic=True`` (matches per fusion), with the reason
+    dynamic: tuple[dict[str, int], str] | None = None
 
-    def expected(self, dtype: torch.dtype) -> tuple[dict[str, int], list[int]]:
-        """(matches per fusion, sorted AttnRes num_blocks) in ``dtype``."""
+    def expected(self, dtype: torch.dtype,
+                 dynamic: bool = False) -> tuple[dict[str, int], list[int]]:
+        """(matches per fusion, sorted AttnRes num_blocks) in ``dtype``; ``dynamic``: the
+        matches of a ``dynamic=True`` compile (its blocks are not listed)."""
         fused, blocks = self.fused, self.attn_res_blocks
         if dtype != torch.float32 and self.bf16 is not None:
             fused, blocks = self.bf16[0], self.bf16[1]
+        if dynamic and self.dynamic is not None:
+            fused, blocks = self.dynamic[0], []
         return ({f: fused.get(f, 0) for f in ("qkv_rmsnorm", "attn_res", "moe_tail")},
                 sorted(blocks))
 
@@ -387,6 +393,38 @@ class FlaNaive(nn.Module):
         for i, sub in enumerate(self.subs):
             h = self._res(states, i)
             states.append(sub.mlp(h))
+        return self._res(states, self.layers)
+
+
+class FastAttnresReference(nn.Module):
+    """fast-attnres's readable reference (``reference_attnres``): values ``[S, ..., D]``
+    stacked, the keys the last ``R`` columns of each row (here ``R = D``: the whole rows,
+    ``values[..., -D:]``), everything in fp32, ``k * rsqrt(k.square().mean(-1, keepdim=True)
+    + 2**-23) * q`` summed over the row, ``softmax(scores * scale, 0)`` with the default
+    ``scale=1.0``, the weighted sum over sources, cast back. Called as a model's depth mix
+    over its layer outputs (as ``FlaNaive``)."""
+
+    layers = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
+        self.query = nn.Parameter(torch.ones(self.layers + 1, H))
+        _init(self)
+
+    def _res(self, outputs, i, scale=1.0):
+        values, query = torch.stack(outputs), self.query[i]
+        v = values.to(torch.float32)
+        k = values[..., -query.numel():].to(torch.float32)
+        q = query.to(torch.float32)
+        scores = (k * torch.rsqrt(k.square().mean(-1, keepdim=True) + 2**-23) * q).sum(-1)
+        weights = torch.softmax(scores * scale, dim=0)
+        return (weights.unsqueeze(-1) * v).sum(0).to(values.dtype)
+
+    def forward(self, x):
+        states = [x]
+        for i, sub in enumerate(self.subs):
+            states.append(sub.mlp(self._res(states, i)))
         return self._res(states, self.layers)
 
 
@@ -835,6 +873,13 @@ ENTRIES: list[Entry] = [
           "query * scale, fp32 output norm, one cast", {ATTN: 3}, attn_res_blocks=[1, 2, 3],
           bf16=({ATTN: 0}, [], "the mix stays fp32 into the output norm; the op rounds the mix "
                 "to the model dtype before its output norm")),
+    Entry("fast_attnres_reference", _src("jon123boss/fast-attnres", "src/attnres/reference.py",
+                                         "ce0881dc4a075a82b841c8e1c2f3b0a5a9e3faf9"),
+          FastAttnresReference, "keys of values[..., -D:] (the whole rows), k.square(), the "
+          "query multiplied in and summed, softmax of scores * 1.0 (Inductor's scaled-softmax "
+          "form), weighted-sum mix over dim 0", {ATTN: 4}, attn_res_blocks=[0, 1, 2, 3],
+          dynamic=({ATTN: 0}, "dynamic=True lifts the float scale to a graph input: a "
+                   "temperature whose value the compile cannot see, which the op does not take")),
     Entry("nanochat_bf16", _src("karpathy/nanochat", "nanochat/gpt.py",
                                 "9f151898539d0cd33a3238cee21c0479a2c410c1"),
           NanochatBf16, "unweighted F.rms_norm keys in bf16, fp32 query rows cast .to(dtype), "

@@ -43,6 +43,8 @@ MUTATIONS = {
     "layernorm_keys": False,        # mean-centred keys
     "bias": False,                  # Linear(H, 1) with a bias
     "temperature": False,           # logits / 2
+    "unit_scale": True,             # logits * 1.0 (a default scale): Inductor's scaled form
+    "whole_slice_keys": True,       # keys of V[..., -H:], the whole rows (a tail-keys API)
     "sink": False,                  # a sink logit concatenated before the softmax
     "mask": False,                  # logits + mask
     "gemma": False,                 # (1 + w) key weight
@@ -89,7 +91,7 @@ class Site(nn.Module):
 
     def keys(self, V):
         m = self.mutation
-        x = V.float()
+        x = V[..., -H:].float() if m == "whole_slice_keys" else V.float()
         eps = 1e-5 if m == "other_eps" else 1e-6
         if m == "layernorm_keys":
             x = x - x.mean(-1, keepdim=True)
@@ -158,6 +160,8 @@ class Site(nn.Module):
         ld = 0 if first else -1  # source dim of the logits
         if m == "temperature":
             logits = logits / 2
+        if m == "unit_scale":
+            logits = logits * 1.0
         if m == "mask":
             logits = logits + torch.linspace(-1, 0, logits.shape[-1])
         if m == "minus_max":
@@ -208,10 +212,13 @@ def test_mutated_site(spelling, mutation, n, tokens, dtype, seed, grad):
 @pytest.mark.usefixtures("fresh_state")
 @pytest.mark.parametrize("spelling", ["sources_last", "sources_first", "matvec", "moved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mutation", ["div_by_sqrt", "eps_outside"])
-def test_keys_normalized_by_a_division_by_sqrt(spelling, dtype, mutation):
+@pytest.mark.parametrize("mutation", ["div_by_sqrt", "eps_outside", "unit_scale", "temperature",
+                                      "whole_slice_keys"])
+def test_keys_and_logits_in_other_spellings(spelling, dtype, mutation):
     """Keys as ``x / sqrt(mean(x ** 2) + eps)`` fuse in every spelling and dtype; with eps
-    outside the sqrt they do not (the draws above may not reach every pair)."""
+    outside the sqrt they do not. Logits times 1.0 (Inductor rewrites ``softmax(l * s)``)
+    fuse; halved they do not. Keys of ``V[..., -H:]`` (all of each row) fuse. (The draws
+    above may not reach every case.)"""
     check_site(spelling, mutation, 2, 3, dtype, seed=5, grad=False)
 
 
