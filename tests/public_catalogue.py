@@ -428,6 +428,48 @@ class FastAttnresReference(nn.Module):
         return self._res(states, self.layers)
 
 
+class CatsweNaive(nn.Module):
+    """flash-attention-residuals' paper-form reference (``paper_forward`` and
+    ``naive_attention_residual``): inputs and pseudo-queries upcast to fp32 once, a
+    parameter-free ``F.rms_norm`` key norm, einsum logits minus their max, ``softmax(0)``,
+    an einsum mix cast to bf16 at every call (the sublayers here take it in the model
+    dtype); a block closes at every other layer (``blocks.append`` / ``blocks[-1] +=
+    update``). The read over one source (the first) is no contraction."""
+
+    layers, block_size = 4, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
+        self.pseudo_queries = nn.Parameter(torch.ones(self.layers + 1, H))
+        _init(self)
+
+    # (the fp64 reference copy keeps fp64 where the code says fp32 and bf16)
+    @staticmethod
+    def _fp32(t):
+        return t.to(torch.promote_types(t.dtype, torch.float32))
+
+    @staticmethod
+    def _res(q, values):
+        keys = F.rms_norm(values, (values.shape[-1],), eps=EPS)
+        logits = torch.einsum("d, n b t d -> n b t", q, keys)
+        logits = logits - logits.max(dim=0, keepdim=True).values
+        dtype = torch.bfloat16 if values.dtype == torch.float32 else values.dtype
+        return torch.einsum("n b t, n b t d -> b t d", logits.softmax(0), values).to(dtype)
+
+    def forward(self, x):
+        inputs, queries = self._fp32(x), self._fp32(self.pseudo_queries)
+        blocks = [inputs]
+        for i, sub in enumerate(self.subs):
+            mix = self._res(queries[i], torch.stack(blocks, dim=0))
+            update = self._fp32(sub.mlp(mix.to(x.dtype)))  # the layers in the model dtype
+            if i % self.block_size == 0:
+                blocks.append(update)
+            else:
+                blocks[-1] = blocks[-1] + update
+        return self._res(queries[-1], torch.stack(blocks, dim=0))
+
+
 class NanochatBf16(nn.Module):
     """nanochat's AttnRes pull request: a parameter-free ``F.rms_norm`` key norm in the model
     dtype, pseudo-queries as rows of an fp32 ``[L, D]`` parameter cast ``.to(x.dtype)`` at
@@ -880,6 +922,11 @@ ENTRIES: list[Entry] = [
           "form), weighted-sum mix over dim 0", {ATTN: 4}, attn_res_blocks=[0, 1, 2, 3],
           dynamic=({ATTN: 0}, "dynamic=True lifts the float scale to a graph input: a "
                    "temperature whose value the compile cannot see, which the op does not take")),
+    Entry("catswe_paper_form", _src("catswe/flash-attention-residuals",
+                                    "src/flash_attn_res/experimental/torch.py",
+                                    "6e285e854b956f5662ca312546df3fe18cf8ce73"),
+          CatsweNaive, "fp32 upcast once, unweighted F.rms_norm keys, einsum logits minus max, "
+          "einsum mix cast to bf16 at every call", {ATTN: 4}, attn_res_blocks=[1, 1, 2, 2]),
     Entry("nanochat_bf16", _src("karpathy/nanochat", "nanochat/gpt.py",
                                 "9f151898539d0cd33a3238cee21c0479a2c410c1"),
           NanochatBf16, "unweighted F.rms_norm keys in bf16, fp32 query rows cast .to(dtype), "
