@@ -22,9 +22,8 @@ import torch._inductor.config as inductor_config
 from .config import overridden
 from .counters import match_counts, reset_match_counts
 from .pass_manager import K3FusionPass
-from .patterns._fx import NoMatch
 from .patterns.registry import claim_order
-from .patterns.rms_norm import ANCHORS, inverse_rms
+from .patterns.rms_norm import starts_rms_norm
 
 __all__ = ["Candidate", "Explanation", "explain"]
 
@@ -106,17 +105,6 @@ def _where(node: torch.fx.Node, max_steps: int = 64) -> str:
     return ""
 
 
-def _computes_rms(node: torch.fx.Node) -> bool:
-    """``node`` is an rsqrt (or sqrt) of ``mean(x**2, -1) + eps``: the start of an RMSNorm."""
-    if node.target not in ANCHORS:
-        return False
-    try:
-        inverse_rms(node)
-    except (NoMatch, AttributeError, TypeError, IndexError):
-        return False
-    return True
-
-
 def _records_autograd(model, example_inputs) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -173,7 +161,7 @@ def explain(model, *example_inputs, dynamic: bool = False, verbose: bool = False
         graphs += 1
         # The node names the log lines use -> the nodes, before the pass rewrites the graph.
         nodes = {n.name: n for n in graph.nodes}
-        rms_like = {n.name for n in graph.nodes if _computes_rms(n)}
+        rms_like = {n.name for n in graph.nodes if starts_rms_norm(n)}
         start, before = len(handler.lines), len(candidates)
         original(self, graph)
         for line in handler.lines[start:]:

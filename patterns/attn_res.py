@@ -35,8 +35,8 @@ from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, dep
                   only_user, operands, plan_size_reads, prims, same_size, strip_casts, users,
                   val)
 from .fusion import Fusion, FusionResult
-from .rms_norm import (RMSNormMatch, derived_from_input, eps_op_args, inverse_rms,
-                       parameter_weight, same_input, upcast_input)
+from .rms_norm import (RMSNormMatch, derived_from_input, divided_by_sqrt, eps_op_args,
+                       inverse_rms, parameter_weight, same_input, upcast_input)
 
 __all__ = ["FUSION", "FUSION_NAME", "HANDOFF_NAME", "AttnResSite", "match_attn_res",
            "fuse_attn_res", "count_handoffs"]
@@ -496,12 +496,6 @@ def parameter_weight_2d(node: object) -> tuple[Node, list[Node]]:
     return node, nodes
 
 
-def _divided_by_sqrt(node: object) -> bool:
-    """``x / sqrt(...)``: a row divided by a square root (its norm is checked after)."""
-    return (is_op(node, aten.div.Tensor) and is_op(node.args[1], aten.sqrt.default)
-            and node.args[0] is not node.args[1])
-
-
 def _whole_slice(node: object) -> bool:
     """A step-1 slice that keeps every element (``x[..., -H:]`` of rows ``H`` wide)."""
     return (is_op(node, aten.slice.Tensor) and isinstance(node.args[0], Node)
@@ -521,7 +515,7 @@ def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[N
     if is_op(step, _CAST):  # weight-in-fp32 keys cast back to the model dtype
         nodes.append(step)
         step = step.args[0]
-    if _divided_by_sqrt(step):
+    if divided_by_sqrt(step):
         candidates = [(keys, None)]  # x32 / sqrt(...) (cast back): no weight
         nodes = []
     elif not is_op(step, _MUL):
@@ -537,10 +531,12 @@ def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[N
         cast = None
         if is_op(inner, _CAST):
             cast, inner = inner, inner.args[0]
-        if _divided_by_sqrt(inner):
+        divided = divided_by_sqrt(inner)
+        if divided:
             # x32 / sqrt(...): the rsqrt form's function (patterns/rms_norm.py)
-            x32, eps, rms_nodes = inverse_rms(inner.args[1])
-            rms_nodes += same_input(inner.args[0], x32)
+            row, sqrt = divided
+            x32, eps, rms_nodes = inverse_rms(sqrt)
+            rms_nodes += same_input(row, x32)
         else:
             if not is_op(inner, _MUL):
                 continue

@@ -33,8 +33,9 @@ from ._fx import (NoMatch, aten, dtype_of, external_users, is_graph_input, is_op
                   operands, prims, val)
 
 __all__ = ["RMSNormMatch", "RMSNormRejection", "find_rms_norms", "match_rms_norm",
-           "ANCHORS", "anchor_name", "inverse_rms", "upcast_input", "parameter_weight", "derived_from_input",
-           "same_input", "eps_op_args"]
+           "ANCHORS", "anchor_name", "starts_rms_norm", "divided_by_sqrt", "inverse_rms",
+           "upcast_input", "parameter_weight", "derived_from_input", "same_input",
+           "eps_op_args"]
 
 _ADD = (aten.add.Tensor, aten.add.Scalar)
 _MUL = (aten.mul.Tensor,)
@@ -84,6 +85,27 @@ ANCHORS = (aten.rsqrt.default, aten.sqrt.default)
 def anchor_name(anchor: Node) -> str:
     """``"rsqrt"`` or ``"sqrt"``: how the log lines name an anchor."""
     return "sqrt" if is_op(anchor, aten.sqrt.default) else "rsqrt"
+
+
+def divided_by_sqrt(node: object) -> tuple[Node, Node] | None:
+    """``row / sqrt(...)`` -> (row, the sqrt); None for anything else (what the sqrt
+    computes is :func:`inverse_rms`'s to check)."""
+    if (is_op(node, aten.div.Tensor) and is_op(node.args[1], aten.sqrt.default)
+            and node.args[0] is not node.args[1]):
+        return node.args[0], node.args[1]
+    return None
+
+
+def starts_rms_norm(node: object) -> bool:
+    """``node`` is an anchor (:data:`ANCHORS`) of ``mean(x**2, -1) + eps``: the start of an
+    RMSNorm, whether or not the rest is one a fusion takes."""
+    if not is_op(node, *ANCHORS):
+        return False
+    try:
+        inverse_rms(node)
+    except (NoMatch, AttributeError, TypeError, IndexError):  # any op's arguments
+        return False
+    return True
 
 
 def inverse_rms(rsqrt: Node) -> tuple[Node, float | Node, list[Node]]:
@@ -199,10 +221,10 @@ def match_rms_norm(rsqrt: Node) -> RMSNormMatch:
     if is_op(rsqrt, aten.sqrt.default):
         # x32 / sqrt(...): the same function; the op's rsqrt-and-multiply differs from the
         # division in the last fp32 place, below any 16-bit output's rounding
-        if not (is_op(normed, aten.div.Tensor) and normed.args[1] is rsqrt
-                and normed.args[0] is not rsqrt):
+        row, sqrt = divided_by_sqrt(normed) or (None, None)
+        if sqrt is not rsqrt:
             raise NoMatch("the input is not divided by sqrt")
-        nodes += same_input(normed.args[0], x32) + [normed]
+        nodes += same_input(row, x32) + [normed]
     elif not is_op(normed, *_MUL):
         raise NoMatch("rsqrt is not multiplied with the input")
     else:
@@ -268,15 +290,7 @@ def find_rms_norms(graph: Graph) -> tuple[list[RMSNormMatch], list[RMSNormReject
         try:
             matches.append(match_rms_norm(node))
         except NoMatch as e:
-            if is_op(node, aten.sqrt.default) and not _is_inverse_rms(node):
+            if is_op(node, aten.sqrt.default) and not starts_rms_norm(node):
                 continue
             rejections.append(RMSNormRejection(node, str(e)))
     return matches, rejections
-
-
-def _is_inverse_rms(anchor: Node) -> bool:
-    try:
-        inverse_rms(anchor)
-    except NoMatch:
-        return False
-    return True
