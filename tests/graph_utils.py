@@ -44,6 +44,7 @@ __all__ = [
     "RSQRT", "DUAL", "CaptureBackend", "LoweringBackend", "no_compile_caches", "fresh_state", "compile_capture",
     "count_op", "nodes_of", "op_histogram", "norm_width", "rsqrt_widths", "norms_by_width",
     "assert_no_unfused_norm", "graph_code", "assert_close_rounding", "K3Calls", "SideBySide",
+    "gpu_softmax_form",
 ]
 
 _DEFAULT = object()
@@ -87,6 +88,47 @@ def fresh_state() -> Iterator[None]:
         k3fusion.set_config(saved_config)
         inductor_config.post_grad_custom_post_pass = saved_pass
         k3backend._previous[:] = saved_installed
+
+
+# --------------------------------------------------------------------------- GPU graph forms
+
+
+class _OnlineSoftmax(CustomGraphPass):
+    """Inductor's own online-softmax rewrite (its post-grad pattern and replacement, taken
+    from ``torch._inductor.fx_passes.post_grad``) without its device check; ``rewrites``
+    counts the softmaxes it rewrote."""
+
+    def __init__(self) -> None:
+        from torch._inductor.fx_passes import post_grad
+        from torch._inductor.pattern_matcher import (PatternMatcherPass, fwd_only,
+                                                     register_replacement)
+
+        self.patterns = PatternMatcherPass()
+        register_replacement(post_grad.prepare_softmax_pattern,
+                             post_grad.prepare_softmax_replacement, [torch.empty(4, 8)],
+                             scalar_workaround=dict(dim=-1), trace_fn=fwd_only,
+                             pass_dicts=self.patterns)
+        self.rewrites = 0
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.rewrites += self.patterns.apply(graph)
+
+    def uuid(self) -> None:  # never cacheable: a test harness
+        return None
+
+
+@contextlib.contextmanager
+def gpu_softmax_form() -> Iterator[_OnlineSoftmax]:
+    """Compiles under this build the softmax a CUDA compile builds: Inductor rewrites
+    ``amax, sub, exp, sum`` into ``prepare_softmax_online`` (one reduction for the max and
+    the sum of exps) in its post-grad patterns, but only on a GPU with Triton. Installed
+    as ``post_grad_custom_pre_pass``, the same rewrite runs ahead of those patterns here
+    (the fusion passes run after them, as on a GPU). Yields the pass (``.rewrites``)."""
+    from torch._inductor import config as inductor_config
+
+    online = _OnlineSoftmax()
+    with inductor_config.patch(post_grad_custom_pre_pass=online):
+        yield online
 
 
 # --------------------------------------------------------------------------- the backend
