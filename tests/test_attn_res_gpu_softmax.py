@@ -35,7 +35,8 @@ if ONLINE is None:  # (an older torch: no online softmax anywhere)
 
 #: softmax facts of a site (each must fuse exactly when test_attn_res_mutations says so);
 #: "unit_scale" and "temperature" are Inductor's where-form of softmax(l * s), which its
-#: online rewrite leaves alone
+#: online rewrite leaves alone (torch 2.13; 2.14 drops a scale of exactly 1 first, and
+#: its softmax is then rewritten)
 SOFTMAX_MUTATIONS = ["none", "minus_max", "softmax_other_dim", "sink", "mask", "leak_logits",
                      "unit_scale", "temperature"]
 WHERE_FORM = {"unit_scale", "temperature"}
@@ -48,14 +49,13 @@ def test_site_with_online_softmax(spelling, mutation):
     the bf16 draws of the mutation test read the same graph up to casts)."""
     with gpu_softmax_form() as online:
         muts.check_site(spelling, mutation, 2, 3, torch.float32, seed=7, grad=False)
-    if mutation in WHERE_FORM:
-        assert online.rewrites == 0
-    else:  # the pass saw the online form (a test that cannot fail otherwise)
+    if mutation not in WHERE_FORM:  # the pass saw the online form (else this cannot fail)
         assert online.rewrites >= 1
 
 
 ATTN_RES_ENTRIES = [e for e in ENTRIES if e.fused.get("attn_res")]
-#: entries whose softmax is ``softmax(l * 1.0)`` (Inductor's where-form, no online rewrite)
+#: entries whose softmax is ``softmax(l * 1.0)`` (Inductor's where-form on torch 2.13: no
+#: online rewrite)
 WHERE_FORM_ENTRIES = {"fast_attnres_reference"}
 
 
@@ -77,9 +77,9 @@ def test_catalogue_entry_with_online_softmax(entry, dtype):
         "no softmax was rewritten: the test did not see the GPU form")
     assert _fused_counts(entry) == entry.expected(dtype)[0]
     check_sites(entry, K3Calls(be, model), dtype)
-    # each fused site took its softmax with it
+    # each fused site took its (rewritten) softmax with it
     gone = count_op(be.graph_before, ONLINE) - count_op(be.graph_after, ONLINE)
-    assert gone == (0 if entry.name in WHERE_FORM_ENTRIES else entry.expected(dtype)[0]["attn_res"])
+    assert gone == (entry.expected(dtype)[0]["attn_res"] if online.rewrites else 0)
     e_max, e_mean = _errors(eager, ref)
     c_max, c_mean = _errors(out, ref)
     slack = 1.2 if dtype == torch.bfloat16 else 1.1
