@@ -164,37 +164,52 @@ def _softmax(div: Node) -> tuple[Node, int, list[Node]]:
 
 
 def _times_one(node: object) -> Node | None:
-    """``x * 1`` (exact) -> ``x``; None for anything else."""
-    if (is_op(node, _MUL) and isinstance(node.args[0], Node)
+    """``x * 1`` or ``x / 1`` (exact) -> ``x``; None for anything else."""
+    if (is_op(node, _MUL, aten.div.Tensor) and isinstance(node.args[0], Node)
             and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool)
             and node.args[1] == 1):
         return node.args[0]
     return None
 
 
+def _unit_free(node: object) -> tuple[object, list[Node]]:
+    """``node`` read through exact ``* 1`` / ``/ 1`` ops and fp32 casts -> (a key equal for
+    equal values, the nodes read through)."""
+    inner = _times_one(node)
+    if inner is not None:
+        key, chain = _unit_free(inner)
+        return key, [node, *chain]
+    if is_op(node, _CAST) and node.args[1] == torch.float32:
+        key, chain = _unit_free(node.args[0])
+        return ("float", key), [node, *chain]
+    return node, []
+
+
 def _unit_scaled_shift(where: Node) -> tuple[Node, Node, list[Node]]:
-    """Inductor's rewrite of ``softmax(l * s)``: ``where(finite(l * s), (l * sign -
-    amax(l * sign)) * |s|, l * s - amax(l * s))``. With ``s = 1`` both branches are exactly
-    ``l - amax(l)``, whatever the test picks -> (l, the second branch's amax, nodes: ``l *
-    1`` first, the test's nodes included). Any other ``s`` is a temperature the op does not
-    take: NoMatch."""
+    """Inductor's rewrite of ``softmax(l * s)`` (or ``l / s``): ``where(finite(l * s), (l *
+    sign - amax(l * sign)) * |s|, l * s - amax(l * s))``. With ``s = 1`` both branches are
+    exactly ``l - amax(l)``, whatever the test picks (a 16-bit ``l`` is cast to fp32 in
+    each branch, before or after the exact ``* 1``) -> (the first branch's fp32 ``l``, the
+    second branch's amax, nodes: the second branch's ``l * s`` first, the test's nodes
+    included). Any other ``s`` is a temperature the op does not take: NoMatch."""
     test, first, second = where.args
     if not (is_op(second, aten.sub.Tensor) and second.kwargs.get("alpha", 1) == 1):
         raise NoMatch("softmax without max subtraction")
     scaled, amax = second.args
-    logits = _times_one(scaled)
-    if logits is None:
-        raise NoMatch("softmax of scaled logits (a temperature)")
+    key, chain = _unit_free(scaled)
     inner = _times_one(first)
-    if not (is_op(inner, aten.sub.Tensor) and inner.kwargs.get("alpha", 1) == 1):
+    if not (any(_times_one(n) is not None for n in chain) and is_op(inner, aten.sub.Tensor)
+            and inner.kwargs.get("alpha", 1) == 1):
         raise NoMatch("softmax of scaled logits (a temperature)")
     signed, signed_max = inner.args
-    if not (_times_one(signed) is logits and is_op(signed_max, aten.amax.default)
+    logits = _times_one(signed)
+    if not (logits is not None and _unit_free(logits)[0] == key
+            and is_op(signed_max, aten.amax.default)
             and signed_max.args[0] is signed and is_op(amax, aten.amax.default)
             and list(signed_max.args[1]) == list(amax.args[1])
             and keepdim_of(signed_max) == keepdim_of(amax)):
         raise NoMatch("softmax of scaled logits: branches differ")
-    return logits, amax, [scaled, second, signed, signed_max, inner, first,
+    return logits, amax, [*chain, second, signed, signed_max, inner, first,
                           *_computed_from(test, scaled), where]
 
 

@@ -44,6 +44,8 @@ MUTATIONS = {
     "bias": False,                  # Linear(H, 1) with a bias
     "temperature": False,           # logits / 2
     "unit_scale": True,             # logits * 1.0 (a default scale): Inductor's scaled form
+    "unit_divisor": True,           # logits / 1.0 (a default temperature): the same, divided
+    "unit_scale_early": True,       # (logits * 1.0).float(): a 16-bit product, cast per branch
     "whole_slice_keys": True,       # keys of V[..., -H:], the whole rows (a tail-keys API)
     "sink": False,                  # a sink logit concatenated before the softmax
     "mask": False,                  # logits + mask
@@ -156,12 +158,16 @@ class Site(nn.Module):
                 logits = logits + self.proj.bias.to(K.dtype)
         else:
             logits = self.proj(K.to(V.dtype)).squeeze(-1)
+        if m == "unit_scale_early":
+            logits = logits * 1.0
         logits = logits.float()
         ld = 0 if first else -1  # source dim of the logits
         if m == "temperature":
             logits = logits / 2
         if m == "unit_scale":
             logits = logits * 1.0
+        if m == "unit_divisor":
+            logits = logits / 1.0
         if m == "mask":
             logits = logits + torch.linspace(-1, 0, logits.shape[-1])
         if m == "minus_max":
@@ -213,11 +219,12 @@ def test_mutated_site(spelling, mutation, n, tokens, dtype, seed, grad):
 @pytest.mark.parametrize("spelling", ["sources_last", "sources_first", "matvec", "moved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mutation", ["div_by_sqrt", "eps_outside", "unit_scale", "temperature",
-                                      "whole_slice_keys"])
+                                      "whole_slice_keys", "unit_divisor", "unit_scale_early"])
 def test_keys_and_logits_in_other_spellings(spelling, dtype, mutation):
     """Keys as ``x / sqrt(mean(x ** 2) + eps)`` fuse in every spelling and dtype; with eps
     outside the sqrt they do not. Logits times 1.0 (Inductor rewrites ``softmax(l * s)``)
-    fuse; halved they do not. Keys of ``V[..., -H:]`` (all of each row) fuse. (The draws
+    fuse, and so do logits divided by 1.0 and 16-bit logits times 1.0 before their fp32
+    cast; halved they do not. Keys of ``V[..., -H:]`` (all of each row) fuse. (The draws
     above may not reach every case.)"""
     check_site(spelling, mutation, 2, 3, dtype, seed=5, grad=False)
 
