@@ -281,10 +281,13 @@ def _computed_query(node: object) -> bool:
     """A query vector of parameters, as the graph computes it: a row, view or cast of a
     graph input (``q[i].to(x.dtype)``), or the product of two such values (Kimi-K3's
     ``norm.weight.float() * proj.weight.squeeze(0).float()``: the key-norm weight folded
-    into the query) or of one and a number (fla's ``query * scale``). Read as the graph
-    computes it, the value is exactly eager's."""
+    into the query) or of one and a number (fla's ``query * scale``), possibly cast after
+    the product (``(query * norm.weight).float()``, folded in the model dtype). Read as the
+    graph computes it, the value is exactly eager's."""
     if not isinstance(node, Node) or val(node).dim() != 1:
         return False
+    if is_op(node, _CAST) and is_op(node.args[0], _MUL):  # (q * w).float(): folded, then cast
+        node = node.args[0]
     if is_op(node, _MUL):  # a folded weight, or a scale knob (``query * scale``)
         return all((isinstance(a, Node) and val(a).dim() <= 1 and derived_from_input(a))
                    or (isinstance(a, (int, float)) and not isinstance(a, bool))
@@ -550,8 +553,15 @@ def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[N
         if divided:
             # x32 / sqrt(...): the rsqrt form's function (patterns/rms_norm.py)
             row, sqrt = divided
-            x32, eps, rms_nodes = inverse_rms(sqrt)
-            rms_nodes += same_input(row, x32)
+            x32, eps, rms_nodes = inverse_rms(sqrt, any_float=True)
+            try:
+                rms_nodes += same_input(row, x32)
+            except NoMatch:
+                if w_side is not None or not is_op(row, _MUL):
+                    raise
+                # (w * x32) / sqrt(...): the weight multiplied in first
+                rms_nodes += [row]
+                w_side = _weight_beside(row, x32, rms_nodes)
         else:
             if not is_op(inner, _MUL):
                 continue
@@ -562,7 +572,7 @@ def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[N
             # x * rsqrt(...).to(x.dtype): the scale rounded to the sources' dtype (checked
             # below), the product in it; the kernel keeps both in fp32
             rsqrt = scale.args[0] if is_op(scale, _CAST) else scale
-            x32, eps, rms_nodes = inverse_rms(rsqrt)
+            x32, eps, rms_nodes = inverse_rms(rsqrt, any_float=True)
             rms_nodes += same_input(operands(inner, scale), x32)
             if scale is not rsqrt:
                 rms_nodes.append(scale)
@@ -581,6 +591,18 @@ def _key_norm(keys: Node) -> tuple[Node, Node | None, float | Node, Node, list[N
         nodes += [inner, *rms_nodes, *w_nodes, *upcast] + ([cast] if cast is not None else [])
         return sources, norm_w, eps, x32, nodes
     raise NoMatch("keys are not RMSNorm(sources) * weight")
+
+
+def _weight_beside(product: Node, x32: Node, nodes: list[Node]) -> Node:
+    """The operand of ``product`` that is not the norm's input (``x32`` in a spelling of
+    :func:`same_input`; its extra nodes go to ``nodes``); NoMatch if neither is."""
+    for mine, other in (product.args, product.args[::-1]):
+        try:
+            nodes += same_input(mine, x32)
+        except NoMatch:
+            continue
+        return other
+    raise NoMatch("rsqrt is not multiplied with the input")
 
 
 def _is_source(operand: object, sources: Node, x32: Node) -> list[Node]:

@@ -108,9 +108,10 @@ def starts_rms_norm(node: object) -> bool:
     return True
 
 
-def inverse_rms(rsqrt: Node) -> tuple[Node, float | Node, list[Node]]:
+def inverse_rms(rsqrt: Node, *, any_float: bool = False) -> tuple[Node, float | Node, list[Node]]:
     """``rsqrt(mean(x32**2, -1, keepdim=True) + eps)`` (or the ``sqrt`` a row is divided
-    by) -> (x32, eps, nodes)."""
+    by) -> (x32, eps, nodes). ``x32`` is fp32 unless ``any_float`` (a norm computed in a
+    16-bit dtype: the AttnRes key norm, whose keys only steer the softmax)."""
     add = rsqrt.args[0]
     if not is_op(add, *_ADD) or add.kwargs.get("alpha", 1) != 1:
         raise NoMatch(f"{anchor_name(rsqrt)} input is not `variance + eps`")
@@ -133,7 +134,8 @@ def inverse_rms(rsqrt: Node) -> tuple[Node, float | Node, list[Node]]:
         x32 = square.args[0]
     else:
         raise NoMatch("variance does not square its input")
-    if dtype_of(x32) != torch.float32:
+    if dtype_of(x32) != torch.float32 and not (any_float and dtype_of(x32) in (
+            torch.bfloat16, torch.float16)):
         raise NoMatch(f"sum of squares is computed in {dtype_of(x32)}, not float32")
     return x32, eps, [square, mean, add, rsqrt]
 

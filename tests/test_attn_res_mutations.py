@@ -40,6 +40,8 @@ MUTATIONS = {
     "norm_other_dim": False,        # mean over a leading dim
     "eps_outside": False,           # 1 / (sqrt(mean) + eps)
     "div_by_sqrt": True,            # x / sqrt(mean + eps): the from-scratch key norm
+    "weight_first_div": True,       # (w * x) / sqrt(mean + eps): the weight multiplied first
+    "keys_model_dtype": True,       # the key norm computed in the sources' dtype, no upcast
     "layernorm_keys": False,        # mean-centred keys
     "bias": False,                  # Linear(H, 1) with a bias
     "temperature": False,           # logits / 2
@@ -93,7 +95,8 @@ class Site(nn.Module):
 
     def keys(self, V):
         m = self.mutation
-        x = V[..., -H:].float() if m == "whole_slice_keys" else V.float()
+        x = V[..., -H:].float() if m == "whole_slice_keys" else (
+            V if m == "keys_model_dtype" else V.float())
         eps = 1e-5 if m == "other_eps" else 1e-6
         if m == "layernorm_keys":
             x = x - x.mean(-1, keepdim=True)
@@ -103,6 +106,9 @@ class Site(nn.Module):
             normed = x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps)
         elif m == "div_by_sqrt":
             normed = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        elif m == "weight_first_div":
+            return ((self.w.to(x.dtype) * x) / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+                    ).to(V.dtype)
         else:
             normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         w = (1 + self.w) if m == "gemma" else self.w
@@ -219,10 +225,12 @@ def test_mutated_site(spelling, mutation, n, tokens, dtype, seed, grad):
 @pytest.mark.parametrize("spelling", ["sources_last", "sources_first", "matvec", "moved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mutation", ["div_by_sqrt", "eps_outside", "unit_scale", "temperature",
-                                      "whole_slice_keys", "unit_divisor", "unit_scale_early"])
+                                      "whole_slice_keys", "unit_divisor", "unit_scale_early",
+                                      "weight_first_div", "keys_model_dtype"])
 def test_keys_and_logits_in_other_spellings(spelling, dtype, mutation):
-    """Keys as ``x / sqrt(mean(x ** 2) + eps)`` fuse in every spelling and dtype; with eps
-    outside the sqrt they do not. Logits times 1.0 (Inductor rewrites ``softmax(l * s)``)
+    """Keys as ``x / sqrt(mean(x ** 2) + eps)`` fuse in every spelling and dtype, so do
+    ``(w * x) / sqrt(...)`` and a key norm computed in the model dtype; with eps outside
+    the sqrt they do not. Logits times 1.0 (Inductor rewrites ``softmax(l * s)``)
     fuse, and so do logits divided by 1.0 and 16-bit logits times 1.0 before their fp32
     cast; halved they do not. Keys of ``V[..., -H:]`` (all of each row) fuse. (The draws
     above may not reach every case.)"""
