@@ -820,6 +820,132 @@ def _source_layout(sources: Node, sd: int
     raise NoMatch("sources are neither a stack of blocks and prefix nor a bank slice + prefix")
 
 
+def _stacked_parts(logits: Node, d: int) -> tuple[list[Node], list[Node]] | None:
+    """``torch.stack(parts, d)`` as aten writes it: ``cat([p.unsqueeze(d), ...], d)``, or
+    for ``d = 0`` ``cat(parts).view(n, *shape)`` -> (parts, nodes); None for anything else."""
+    if is_op(logits, *RESHAPES) and d == 0 and is_op(logits.args[0], aten.cat.default):
+        cat = logits.args[0]
+        parts = list(cat.args[0])
+        if (len(cat.args) < 2 or cat.args[1] == 0) and parts and all(
+                isinstance(q, Node) and tuple(val(q).shape) == tuple(val(logits).shape[1:])
+                for q in parts) and val(logits).shape[0] == len(parts):
+            return parts, [logits, cat]
+        return None
+    if is_op(logits, aten.cat.default) and len(logits.args) > 1 \
+            and _norm_dim(logits, logits.args[1]) == d:
+        ups = list(logits.args[0])
+        if ups and all(is_op(u, aten.unsqueeze.default) and _norm_dim(u, u.args[1]) == d
+                       for u in ups):
+            return [u.args[0] for u in ups], [logits, *ups]
+    return None
+
+
+def _per_source_sum(p: Node, sources: list[Node], x32s: list[Node], d: int
+                    ) -> tuple[Node, list[Node]]:
+    """``p[0][..., None] * v_0 + p[1][..., None] * v_1 + ...`` (each weight read by its
+    index, the sum in any order, from zeros or not) -> (the sum, nodes)."""
+    nodes, terms = [], {}
+    for sel in users(p):
+        if not (is_op(sel, aten.select.int) and _norm_dim(p, sel.args[1]) == d
+                and isinstance(sel.args[2], int) and 0 <= sel.args[2] < len(sources)
+                and sel.args[2] not in terms):
+            raise NoMatch("softmax weights are read other than one source each")
+        up = only_user(sel)
+        if not (is_op(up, aten.unsqueeze.default) and _dim_is(up, up.args[1], -1)):
+            raise NoMatch("a source's weight is not unsqueezed over the hidden dim")
+        term = only_user(up)
+        i = sel.args[2]
+        if not is_op(term, _MUL):
+            raise NoMatch("a source's weight does not scale it")
+        try:
+            nodes += _is_source(operands(term, up), sources[i], x32s[i])
+        except NoMatch:
+            raise NoMatch(f"weight {i} does not scale source {i}") from None
+        if val(term).shape != val(sources[i]).shape:
+            raise NoMatch("softmax weights broadcast over the sources")
+        terms[i] = term
+        nodes += [sel, up, term]
+    if len(terms) != len(sources):
+        raise NoMatch("not every source is mixed")
+
+    def leaves(node) -> list[Node]:
+        """The terms a sum adds (its zeros and adds go to ``inner``)."""
+        if node in terms.values():
+            return [node]
+        if is_op(node, aten.full.default) and node.args[1] == 0:
+            inner.append(node)
+            return []
+        if is_op(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1:
+            inner.append(node)
+            return leaves(node.args[0]) + leaves(node.args[1])
+        raise NoMatch("not a sum of weighted sources")
+
+    total = terms[0]
+    while True:  # up to the last add that adds weighted sources only
+        up = users(total)
+        if len(up) != 1 or not is_op(up[0], aten.add.Tensor):
+            break
+        try:
+            inner = []
+            leaves(up[0])
+        except NoMatch:
+            break
+        total = up[0]
+    inner = []
+    if sorted(leaves(total), key=id) != sorted(terms.values(), key=id):
+        raise NoMatch("the sum misses or repeats a weighted source")
+    return total, nodes + inner
+
+
+def _match_per_source(div: Node, logits: Node, sd: int, nodes: list[Node]) -> AttnResSite:
+    """A read that norms and projects each source on its own and stacks only the logits:
+    ``softmax(stack([w . RMSNorm(v) for v in sources]), d)``, mixed as ``sum_i p[i] * v_i``
+    (Megatron-derived and community "two-pass" forms). The op reads the sources as a list
+    bank: the older ones its blocks, the newest its prefix."""
+    stacked = _stacked_parts(logits, sd)
+    if stacked is None:
+        raise NoMatch("logits are not a squeezed projection")
+    parts, stack_nodes = stacked
+    read = [_projection(part) for part in parts]
+    norms = [_key_norm(keys) for keys, _, _ in read]
+    proj_w, (_, norm_w, eps, _, _) = read[0][1], norms[0]
+    for (_, q, _), (_, w, e, _, _) in zip(read, norms):
+        if not (_same_value(q, proj_w) and (w is norm_w or _same_value(w, norm_w))
+                and e == eps):
+            raise NoMatch("sources are read with different queries, norm weights or eps")
+    sources = [n[0] for n in norms]
+    x32s = [n[3] for n in norms]
+    shape, dtype = tuple(val(sources[0]).shape), dtype_of(sources[0])
+    if any(tuple(val(v).shape) != shape or dtype_of(v) != dtype for v in sources):
+        raise NoMatch("sources differ in shape or dtype")
+    if any(val(k).dim() != val(part).dim() + 1 for (k, _, _), part in zip(read, parts)):
+        raise NoMatch("keys are not the logits' rows")
+    p, cast = div, []
+    if len(users(div)) == 1 and is_op(users(div)[0], _CAST):  # probs.to(v.dtype)
+        p = users(div)[0]
+        if p.args[1] not in (dtype, torch.float32):
+            raise NoMatch(f"softmax weights rounded to {p.args[1]}")
+        cast = [p]
+    mixed, mix_nodes = _per_source_sum(p, sources, x32s, sd)
+    if dtype_of(mixed) != dtype:  # an fp32 sum: cast back, or a dropped round trip
+        user = only_user_or_none(mixed)
+        if is_op(user, _CAST) and user.args[1] == dtype:
+            mixed = user
+            mix_nodes.append(user)
+        elif dtype_of(mixed) != torch.float32:
+            raise NoMatch(f"mix in {dtype_of(mixed)}")
+    nodes = list(dict.fromkeys(nodes + stack_nodes + cast + mix_nodes
+                               + [n for _, _, more in read for n in more]
+                               + [n for *_, more in norms for n in more]))
+    leaks = external_users(nodes, mixed)
+    if leaks:
+        inner, user = leaks[0]
+        raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
+    return AttnResSite(prefix=sources[-1], blocks=sources[:-1], bank=None,
+                       num_blocks=len(sources) - 1, norm_w=norm_w, proj_w=proj_w, eps=eps,
+                       mixed=mixed, nodes=nodes, src_dim=len(shape) - 1)
+
+
 def match_attn_res(div: Node) -> AttnResSite:
     """Describe the AttnRes site whose softmax ends at ``div``, or raise NoMatch."""
     logits, sd, nodes = _softmax(div)
@@ -831,7 +957,15 @@ def match_attn_res(div: Node) -> AttnResSite:
         if shift_nodes:
             shift_nodes = [logits] + shift_nodes
             logits = raw
-    keys, proj_w, proj_nodes = _projection(logits)
+    try:
+        keys, proj_w, proj_nodes = _projection(logits)
+    except NoMatch:
+        raw = logits.args[0] if is_op(logits, _CAST) and logits.args[1] == torch.float32 \
+            else logits
+        if _stacked_parts(raw, sd) is None:
+            raise
+        return _match_per_source(div, raw, sd, nodes + shift_nodes + ([logits] if raw
+                                                                        is not logits else []))
     sources, norm_w, eps, x32, key_nodes = _key_norm(keys)
     if val(keys).dim() != val(logits).dim() + 1:  # rows normed flat, logits reshaped back
         sources, flat_nodes = _flattened_rows(sources, logits)
