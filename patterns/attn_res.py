@@ -715,16 +715,21 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
     # The mix is the first view with the sources' layout without the source dim (later
     # views, e.g. a Linear's flattening of the mix, belong to its reader); batch atoms
     # come from both sides with equal dims: name them by the sources' dims.
+    # With size-1 dims (T = 1) several views can have that layout: the last one is the
+    # mix (the earlier ones are steps of the einsum's own view-back).
     want = [() if _one(s) else (i,) for i, s in enumerate(val(sources).shape) if i != sd]
-    for total in views:
+    found = None
+    for view in views:
         try:
-            layout, out_chain = _result_layout(total, product, vl[0], rows, cols)
+            layout, out_chain = _result_layout(view, product, vl[0], rows, cols)
         except NoMatch:
             continue
-        if [tuple(a[1] for a in g) for g in layout] == want:
-            break
-    else:
+        if [tuple(a[1] for a in g) for g in layout] == want and (
+                found is None or tuple(val(view).shape) == tuple(val(found[0]).shape)):
+            found = (view, out_chain)
+    if found is None:
         raise NoMatch("the contraction's result is not the sources' layout without the source dim")
+    total, out_chain = found
     if canon(pl[0]) != canon(vl[0]):
         raise NoMatch("the contraction's result is not the sources' layout without the source dim")
     extra = [] if va is sources or va is x32 else _is_source(va, sources, x32)

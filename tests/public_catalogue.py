@@ -50,7 +50,8 @@ class Entry:
     tails: list[tuple[str, str]] = field(default_factory=list)
     attn_res_blocks: list[int] = field(default_factory=list)
     #: the compiled call's inputs: ``"h"`` hidden [B, T, H]; ``"tokens"`` flat [T, H];
-    #: ``"seq_first"`` [T, B, H]; ``"moe"`` (latent [T, L], hidden [T, H], prefix [T, H])
+    #: ``"seq_first"`` [T, B, H]; ``"moe"`` (latent [T, L], hidden [T, H], prefix [T, H]);
+    #: ``"mtp"`` (hidden [B, T, H], the next tokens' embeddings [B, T, H])
     inputs_kind: str = "h"
     #: what differs in bf16 (a site that cannot fuse there), with the reason
     bf16: tuple[dict[str, int], list[int], str] | None = None
@@ -81,6 +82,8 @@ class Entry:
             return (rand(tokens, 2, H),)
         if self.inputs_kind == "moe":
             return (rand(tokens, LATENT), rand(tokens, H), rand(tokens, H))
+        if self.inputs_kind == "mtp":
+            return (rand(2, tokens, H), rand(2, tokens, H))
         return (rand(2, tokens, H),)
 
 
@@ -549,6 +552,106 @@ class NanogptRoundedScale(nn.Module):
         return self._res(completed, 2 * self.layers)
 
 
+class _DivSqrtRMSNorm(nn.Module):
+    """nanoAttnRes' key norm: ``weight * x / sqrt(mean(x^2) + eps)`` (the weight first, a
+    division by the root, eps 1e-5) in the model dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        denom = x.pow(2).mean(dim=-1, keepdim=True).add(self.eps).sqrt()
+        return self.weight * x / denom
+
+
+class LimeiWeightFirstNorm(nn.Module):
+    """nanoAttnRes' ``block_attn_res(blocks, partial, proj, norm)``, called before each
+    sublayer with the layer's own ``Linear(H, 1)`` and key norm (``weight * x / sqrt(...)``,
+    model dtype); ``torch.stack(blocks + [partial], 0)``, einsum ``'c,nbtc->nbt'`` with
+    ``proj.weight[0]``, ``.softmax(dim=0)``, einsum ``'nbt,nbtc->btc'``. The blocks list
+    starts empty (the first read is over the embedding alone); a block closes before every
+    attention sublayer (two sublayers a block), the partial restarting as
+    ``torch.zeros_like(partial)``; no final read."""
+
+    layers, n_blocks = 4, 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
+        self.attn_res_projs = nn.ModuleList(nn.Linear(H, 1, bias=False) for _ in range(self.layers))
+        self.attn_res_norms = nn.ModuleList(_DivSqrtRMSNorm(H) for _ in range(self.layers))
+        self.mlp_res_projs = nn.ModuleList(nn.Linear(H, 1, bias=False) for _ in range(self.layers))
+        self.mlp_res_norms = nn.ModuleList(_DivSqrtRMSNorm(H) for _ in range(self.layers))
+        _init(self)
+
+    @staticmethod
+    def _res(blocks, partial, proj, norm):
+        V = torch.stack(blocks + [partial], dim=0)
+        logits = torch.einsum("c,nbtc->nbt", proj.weight[0], norm(V))
+        return torch.einsum("nbt,nbtc->btc", logits.softmax(dim=0), V)
+
+    def forward(self, x):
+        per_block = 2 * self.layers // self.n_blocks
+        blocks = []
+        for i, sub in enumerate(self.subs):
+            partial = x
+            h = self._res(blocks, partial, self.attn_res_projs[i], self.attn_res_norms[i])
+            if (2 * i) % per_block == 0:
+                blocks, partial = blocks + [partial], torch.zeros_like(partial)
+            partial = partial + sub.attention(h)
+            h = self._res(blocks, partial, self.mlp_res_projs[i], self.mlp_res_norms[i])
+            if (2 * i + 1) % per_block == 0:
+                blocks, partial = blocks + [partial], torch.zeros_like(partial)
+            partial = partial + sub.mlp(h)
+            x = partial
+        return x
+
+
+class ZefanTwoQueriesOneStack(nn.Module):
+    """open-attention-residuals' Qwen3 AttnRes in its ``delta_v`` mode (``delta_attn_res``,
+    no gate): Full AttnRes over the sublayer *outputs* (``[emb, a0, m0, ...]``), the mix
+    added to the running stream afterwards (``h = partial + mix``: no source is the prefix);
+    each attention sublayer reads the same sources twice with two queries and two key norms
+    (one read for q/k, one for v); ``proj.weight.view(-1)`` queries, HF Qwen3RMSNorm keys,
+    einsum, ``softmax(0)``. Layer 0's two reads are over the embedding alone (no
+    contraction): their key norms are two norms of views of one tensor, and the q/kv pass
+    pairs them in one dual norm (correct: each normalizes its own view with its own weight)."""
+
+    layers = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        n = self.layers
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(n))
+        self.in_norm = nn.ModuleList(HFRMSNorm(H) for _ in range(n))
+        self.post_norm = nn.ModuleList(HFRMSNorm(H) for _ in range(n))
+        for k in ("a", "m", "v"):
+            setattr(self, f"{k}_proj", nn.ModuleList(nn.Linear(H, 1, bias=False) for _ in range(n)))
+            setattr(self, f"{k}_norm", nn.ModuleList(HFRMSNorm(H) for _ in range(n)))
+        _init(self)
+
+    @staticmethod
+    def _read(deltas, partial, proj, norm):
+        V = torch.stack(list(deltas), dim=0)
+        w = torch.einsum("d, n b t d -> n b t", proj.weight.view(-1), norm(V)).softmax(dim=0)
+        return partial + torch.einsum("n b t, n b t d -> b t d", w, V)
+
+    def forward(self, emb):
+        deltas, partial = [emb], emb
+        for i, sub in enumerate(self.subs):
+            h_qk = self._read(deltas, partial, self.a_proj[i], self.a_norm[i])
+            h_v = self._read(deltas, partial, self.v_proj[i], self.v_norm[i])
+            out = sub.attention(self.in_norm[i](h_qk)) \
+                * torch.sigmoid(sub.attn(self.in_norm[i](h_v)))  # the v read gates the stand-in
+            partial, deltas = partial + out, deltas + [out]
+            h = self._read(deltas, partial, self.m_proj[i], self.m_norm[i])
+            out = sub.mlp(self.post_norm[i](h))
+            partial, deltas = partial + out, deltas + [out]
+        return partial
+
+
 # ---------------------------------------------------------------- AttnRes near relatives
 
 
@@ -591,22 +694,175 @@ class RecencyBias(nn.Module):
         return torch.einsum("n b t, n b t d -> b t d", (logits + bias).softmax(0), V)
 
 
-class NormalizedSourceMix(nn.Module):
-    """Depth attention that mixes the *normalized* sources (the keys) instead of the raw
-    ones: no public code found; the near miss a matcher must catch. Must not fuse."""
+class XrenyaLayerNormKeys(nn.Module):
+    """Attention-Residuals' ``FullAttnResStack``: ``nn.LayerNorm`` keys (mean-centred, with
+    a bias) and logits multiplied by ``1/sqrt(D)`` before ``softmax(0)`` -- two departures
+    from AttnRes; the mix replaces the skip (``h = mix + ff(h)``), each feed-forward behind
+    its own LayerNorm. (Its ``BlockAttnResStack`` has the same keys and scale.) Must not fuse."""
+
+    layers = 4
 
     def __init__(self) -> None:
         super().__init__()
-        self.norm = HFRMSNorm(H)
-        self.proj = nn.Linear(H, 1, bias=False)
-        self.sub = _Sublayers()
+        self.scale = math.sqrt(H) ** -1
+        self.queries = nn.ParameterList(nn.Parameter(torch.zeros(H)) for _ in range(self.layers))
+        self.key_norms = nn.ModuleList(nn.LayerNorm(H) for _ in range(self.layers))
+        self.ff_norms = nn.ModuleList(nn.LayerNorm(H) for _ in range(self.layers))
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
         _init(self)
 
     def forward(self, x):
-        V = torch.stack([x, self.sub.attention(x), self.sub.mlp(x)])
-        K = self.norm(V)
-        logits = torch.einsum("d, n b t d -> n b t", self.proj.weight.squeeze(), K)
-        return torch.einsum("n b t, n b t d -> b t d", logits.softmax(0), K)
+        hist, h = [x], x
+        for q, kn, fn, sub in zip(self.queries, self.key_norms, self.ff_norms, self.subs):
+            V = torch.stack(hist, dim=0)
+            a = (torch.einsum("d, l b t d -> l b t", q, kn(V)) * self.scale).softmax(dim=0)
+            h = torch.einsum("l b t, l b t d -> b t d", a, V) + sub.mlp(fn(h))
+            hist.append(h)
+        return h
+
+
+class _CastingRMSNorm(nn.RMSNorm):
+    """rms-block-attnres' ``CastingRMSNorm``: ``nn.RMSNorm`` (eps None: the dtype's
+    machine epsilon) whose weight is cast to the input's dtype before ``F.rms_norm``."""
+
+    def forward(self, x):
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+
+class HighbuyerTwoPass(nn.Module):
+    """highbuyer/attnres's "two-pass" read (no ``[N, B, T, C]`` stack): per source a
+    weighted ``nn.RMSNorm`` (eps None) cast ``.to(v.dtype)`` and einsum ``'c,btc->bt'`` with
+    ``proj.weight[0]``; only the logits stacked, ``.float().softmax(0).to(v.dtype)``; the
+    mix ``zeros_like(v0)`` then ``out.add_(p[n].unsqueeze(-1) * v[n])`` per source. The
+    embedding (``F.rms_norm``-ed) the first partial; a block closes at a layer start every
+    ``bs`` sublayers (here 2; the source's default 3); no final read."""
+
+    layers, bs = 4, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
+        self.attnres_proj = nn.ModuleList(nn.Linear(H, 1, bias=False) for _ in range(2 * self.layers))
+        self.attnres_norm = nn.ModuleList(nn.RMSNorm(H) for _ in range(2 * self.layers))
+        _init(self)
+
+    @staticmethod
+    def _norm(x):
+        return F.rms_norm(x, (x.size(-1),))
+
+    def _read(self, completed, partial, idx):
+        values = completed + ([partial] if partial is not None else [])
+        w, dtype = self.attnres_proj[idx].weight[0], values[0].dtype
+        logits = [torch.einsum("c,btc->bt", w.to(dtype), self.attnres_norm[idx](v).to(dtype))
+                  for v in values]
+        probs = torch.stack(logits, dim=0).float().softmax(dim=0).to(dtype)
+        out = torch.zeros_like(values[0])
+        for n, v in enumerate(values):
+            out.add_(probs[n].unsqueeze(-1) * v)
+        return out
+
+    def forward(self, x):
+        completed, partial, count = [], self._norm(x), 0
+        for i, sub in enumerate(self.subs):
+            if count % self.bs == 0 and count > 0:
+                completed, partial = completed + [partial], None
+            out = sub.attention(self._norm(self._read(completed, partial, 2 * i)))
+            partial = out if partial is None else partial + out
+            partial = partial + sub.mlp(self._norm(self._read(completed, partial, 2 * i + 1)))
+            count += 2
+        return self._norm(partial)
+
+
+class MegatronLoopRead(nn.Module):
+    """The Megatron-LM Attention Residuals fork's torch reference (``_full_attn_res_compute``,
+    as kimmichtank/rms-block-attnres's ``scaling/megatron-attnres.patch`` adds it from
+    Smu-Tan/Megatron-LM acd39782): sequence-first ``[S, B, H]`` sources never stacked; query
+    and key weight cast to the sources' dtype; per source an inline model-dtype key norm
+    ``v * rsqrt(v.pow(2).mean(-1) + eps) * w`` and einsum ``'h,sbh->sb'``; the logits
+    stacked, ``softmax(0).to(dtype)``; the mix ``out = zeros_like(v0)`` then ``out = out +
+    p[d].unsqueeze(-1) * v``. ``rms_block`` state: sources (embedding, completed blocks, the
+    pending sum); a completed block is the sum of 4 unweighted fp32-normed writes, cast back;
+    a read before attention and before the MLP of every layer, and a final read."""
+
+    layers, block = 4, 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
+        self.input_norms = nn.ModuleList(nn.RMSNorm(H, eps=EPS) for _ in range(self.layers))
+        self.mlp_norms = nn.ModuleList(nn.RMSNorm(H, eps=EPS) for _ in range(self.layers))
+        self.queries = nn.ParameterList(nn.Parameter(torch.zeros(H)) for _ in range(2 * self.layers + 1))
+        self.key_w = nn.ParameterList(nn.Parameter(torch.ones(H)) for _ in range(2 * self.layers + 1))
+        self.final_norm = nn.RMSNorm(H, eps=EPS)
+        _init(self)
+        with torch.no_grad():  # queries as _init makes a Linear(H, 1)'s: logits of std ~3
+            for q in self.queries:
+                q.sub_(1).mul_(10 / H ** 0.5)
+
+    def _read(self, values, i):
+        ref = values[0]
+        q, w = self.queries[i].to(ref.dtype), self.key_w[i].to(ref.dtype)
+        logits = [torch.einsum("h,sbh->sb", q, v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True)
+                                                                + EPS) * w) for v in values]
+        probs = torch.softmax(torch.stack(logits, dim=0), dim=0).to(ref.dtype)
+        out = torch.zeros_like(ref)
+        for d, v in enumerate(values):
+            out = out + probs[d].unsqueeze(-1) * v
+        return out
+
+    @staticmethod
+    def _rms_write(v):
+        x = v.float()
+        return (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)).to(v.dtype)
+
+    def forward(self, hidden):
+        completed, pending = [], []
+
+        def values():
+            return (hidden, *completed, *((sum(pending),) if pending else ()))
+
+        def append(v):
+            pending.append(v)
+            if len(pending) == self.block:
+                completed.append(sum(self._rms_write(p) for p in pending))
+                pending.clear()
+
+        for i, sub in enumerate(self.subs):
+            append(sub.attention(self.input_norms[i](self._read(values(), 2 * i))))
+            append(sub.mlp(self.mlp_norms[i](self._read(values(), 2 * i + 1))))
+        return self.final_norm(self._read(values(), 2 * self.layers))
+
+
+class FullRMSAggregate(nn.Module):
+    """rms-block-attnres' ``full_rms_aggregate`` (``summary_mode='full_rms'``): Full
+    AttnRes whose mix takes the *normalized* sources (the keys) as values:
+    ``normalized = key_norm(stack(sources, 0))``, einsum ``"d,lbtd->lbt"`` with a bare
+    ``[D]`` query, ``F.softmax(dim=0)``, ``(weights.unsqueeze(-1) * normalized).sum(0)``;
+    each sublayer behind a ``CastingRMSNorm``, a final read. Another function: must not fuse."""
+
+    layers = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        n = 2 * self.layers + 1
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
+        self.pre_norms = nn.ModuleList(_CastingRMSNorm(H) for _ in range(2 * self.layers))
+        self.queries = nn.ParameterList(nn.Parameter(torch.zeros(H)) for _ in range(n))
+        self.key_norms = nn.ModuleList(_CastingRMSNorm(H) for _ in range(n))
+        _init(self)
+
+    def _res(self, prior, i):
+        normalized = self.key_norms[i](torch.stack(prior, dim=0))
+        weights = F.softmax(torch.einsum("d,lbtd->lbt", self.queries[i], normalized), dim=0)
+        return (weights.unsqueeze(-1) * normalized).sum(dim=0)
+
+    def forward(self, x):
+        v_list = [x]
+        for i, sub in enumerate(self.subs):
+            v_list.append(sub.attention(self.pre_norms[2 * i](self._res(v_list, 2 * i))))
+            v_list.append(sub.mlp(self.pre_norms[2 * i + 1](self._res(v_list, 2 * i + 1))))
+        return self._res(v_list, 2 * self.layers)
 
 
 # =============================================================== MLA fronts
@@ -823,6 +1079,317 @@ class GemmaPair(HFDeepseekV3MLA):
         return q, self.kv_b_proj(gemma(k_pass, self.kv_a_layernorm.weight)), k_rot
 
 
+#: heads of the MLA fronts below that run attention (qk = nope + rope, v)
+N_HEADS, NOPE, V_DIM = 2, 16, 16
+#: the longest sequence a rope table or cache below holds (the catalogue compiles T <= 64)
+MAX_SEQ = 64
+
+
+class _FRMSNorm(nn.Module):
+    """DeepSeek-V3 inference's ``RMSNorm``: ``F.rms_norm(x, (dim,), weight, eps)`` in the
+    model dtype."""
+
+    def __init__(self, dim: int, eps: float = EPS) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+
+
+def _complex_freqs(dim: int = ROPE, seqlen: int = MAX_SEQ, base: float = 10000.0):
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(seqlen).float(), freqs)
+    return torch.polar(torch.ones_like(freqs), freqs)  # complex64 [seqlen, dim / 2]
+
+
+class DeepseekV3CacheWrite(nn.Module):
+    """DeepSeek-V3's reference inference MLA, ``attn_impl = "absorb"``: ``F.rms_norm`` norms
+    in the model dtype; ``q = wq_b(q_norm(wq_a(x)))`` split, complex rope on ``q_pe``;
+    ``wkv_a(x)`` split, complex rope on ``k_pe``; ``q_nope`` absorbed into ``wkv_b``; then the
+    kv norm's output is *written into a buffer* (``kv_cache[:b, start:end] = kv_norm(kv)``)
+    and read only back through the cache (the scores and the output einsums), ``pe_cache``
+    likewise. The complex ``freqs_cis`` buffer stays complex64 in any dtype (``_apply``);
+    the caches hold 64 positions; the complex view names its size (``x.size(-1) // 2`` for
+    the public ``-1``: a view of zero tokens cannot infer it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        qk = NOPE + ROPE
+        self.wq_a = nn.Linear(H, Q_LORA, bias=False)
+        self.q_norm = _FRMSNorm(Q_LORA)
+        self.wq_b = nn.Linear(Q_LORA, N_HEADS * qk, bias=False)
+        self.wkv_a = nn.Linear(H, KV_LORA + ROPE, bias=False)
+        self.kv_norm = _FRMSNorm(KV_LORA)
+        self.wkv_b = nn.Linear(KV_LORA, N_HEADS * (NOPE + V_DIM), bias=False)
+        self.wo = nn.Linear(N_HEADS * V_DIM, H, bias=False)
+        self.softmax_scale = qk ** -0.5
+        _init(self)
+        self.register_buffer("kv_cache", torch.zeros(4, MAX_SEQ, KV_LORA), persistent=False)
+        self.register_buffer("pe_cache", torch.zeros(4, MAX_SEQ, ROPE), persistent=False)
+        self.register_buffer("freqs_cis", _complex_freqs(), persistent=False)
+
+    def _apply(self, fn, recurse=True):  # the complex freqs_cis stays complex64
+        freqs_cis = self.freqs_cis
+        out = super()._apply(fn, recurse)
+        self.freqs_cis = freqs_cis
+        return out
+
+    @staticmethod
+    def _rope(x, freqs_cis):
+        dtype = x.dtype
+        x = torch.view_as_complex(x.float().view(*x.shape[:-1], x.size(-1) // 2, 2))
+        freqs_cis = freqs_cis.view(1, x.size(1), 1, x.size(-1))
+        return torch.view_as_real(x * freqs_cis).flatten(3).to(dtype)
+
+    def forward(self, x, start_pos: int = 0):
+        bsz, seqlen, _ = x.size()
+        end_pos = start_pos + seqlen
+        freqs_cis = self.freqs_cis[start_pos:end_pos]
+        mask = torch.full((seqlen, seqlen), float("-inf"), device=x.device).triu_(1) \
+            if seqlen > 1 else None
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(bsz, seqlen, N_HEADS, NOPE + ROPE)
+        q_nope, q_pe = torch.split(q, [NOPE, ROPE], dim=-1)
+        q_pe = self._rope(q_pe, freqs_cis)
+        kv, k_pe = torch.split(self.wkv_a(x), [KV_LORA, ROPE], dim=-1)
+        k_pe = self._rope(k_pe.unsqueeze(2), freqs_cis)
+        wkv_b = self.wkv_b.weight.view(N_HEADS, -1, KV_LORA)
+        q_nope = torch.einsum("bshd,hdc->bshc", q_nope, wkv_b[:, :NOPE])
+        self.kv_cache[:bsz, start_pos:end_pos] = self.kv_norm(kv)
+        self.pe_cache[:bsz, start_pos:end_pos] = k_pe.squeeze(2)
+        scores = (torch.einsum("bshc,btc->bsht", q_nope, self.kv_cache[:bsz, :end_pos])
+                  + torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end_pos])) \
+            * self.softmax_scale
+        if mask is not None:
+            scores += mask.unsqueeze(1)
+        scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
+        x = torch.einsum("bsht,btc->bshc", scores, self.kv_cache[:bsz, :end_pos])
+        x = torch.einsum("bshc,hdc->bshd", x, wkv_b[:, -V_DIM:])
+        return self.wo(x.flatten(2))
+
+
+class _TupleLinear(nn.Linear):
+    """Megatron's Column/RowParallelLinear at tp = 1: ``(output, bias)``."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight), None
+
+
+class MegatronCoreMLA(nn.Module):
+    """Megatron-Core's ``MLASelfAttention``, local (non-TE) spec: sequence-first
+    ``[S, B, H]``; ``(out, bias)`` linears; ``_qkv_down_projection`` runs *both* down
+    projections before either norm, the kv one ``torch.split`` into latent and rope; then
+    ``q_layernorm`` and ``kv_layernorm`` (``torch.nn.RMSNorm``) back to back; up projections,
+    views into heads, MLA-interleaved rope (``t[..., 0::2]``, ``t[..., 1::2]`` cat,
+    rotate-half), ``.contiguous()`` q/k/v; a causal attention stand-in. The output reshape
+    names its batch size for the public ``-1`` (a view of zero tokens cannot infer it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_head = NOPE + ROPE
+        self.linear_q_down_proj = _TupleLinear(H, Q_LORA, bias=False)
+        self.linear_kv_down_proj = _TupleLinear(H, KV_LORA + ROPE, bias=False)
+        self.linear_q_up_proj = _TupleLinear(Q_LORA, N_HEADS * self.q_head, bias=False)
+        self.linear_kv_up_proj = _TupleLinear(KV_LORA, N_HEADS * (NOPE + V_DIM), bias=False)
+        self.q_layernorm = nn.RMSNorm(Q_LORA, eps=EPS)
+        self.kv_layernorm = nn.RMSNorm(KV_LORA, eps=EPS)
+        self.linear_proj = _TupleLinear(N_HEADS * V_DIM, H, bias=False)
+        _init(self)
+        inv = 1.0 / (10000 ** (torch.arange(0, ROPE, 2).float() / ROPE))
+        freqs = torch.outer(torch.arange(MAX_SEQ).float(), inv)
+        self.register_buffer("rotary_pos_emb", torch.cat((freqs, freqs), dim=-1)[:, None, None, :],
+                             persistent=False)  # [S, 1, 1, R]
+
+    @staticmethod
+    def _rope(t, freqs):  # _apply_rotary_pos_emb_bshd(mla_rotary_interleaved=True)
+        if freqs.dim() == t.dim() + 1 and freqs.size(-2) == 1:
+            freqs = freqs.squeeze(-2)
+        rot_dim = freqs.shape[-1]
+        t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+        t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+        cos_, sin_ = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+        x1, x2 = torch.chunk(t, 2, dim=-1)
+        t = (t * cos_) + (torch.cat((-x2, x1), dim=-1) * sin_)
+        return torch.cat((t, t_pass), dim=-1)
+
+    def forward(self, hidden_states):
+        q_compressed, _ = self.linear_q_down_proj(hidden_states)
+        kv_combined, _ = self.linear_kv_down_proj(hidden_states)
+        kv_compressed, k_pos_emb = torch.split(kv_combined, [KV_LORA, ROPE], dim=-1)
+        q_compressed = self.q_layernorm(q_compressed)
+        kv_compressed = self.kv_layernorm(kv_compressed)
+        q, _ = self.linear_q_up_proj(q_compressed)
+        q = q.view(*q.size()[:-1], N_HEADS, self.q_head)
+        kv, _ = self.linear_kv_up_proj(kv_compressed)
+        kv = kv.view(*kv.size()[:-1], N_HEADS, NOPE + V_DIM)
+        k_pos_emb = torch.unsqueeze(k_pos_emb, -2)
+        q_len = q.size()[0]
+        rotary_pos_emb = self.rotary_pos_emb[0:q_len]
+        q_no_pe, q_pos_emb = torch.split(q, [NOPE, ROPE], dim=-1)
+        k_no_pe, value = torch.split(kv, [NOPE, V_DIM], dim=-1)
+        q_pos_emb = self._rope(q_pos_emb, rotary_pos_emb)
+        k_pos_emb = self._rope(k_pos_emb, rotary_pos_emb)
+        query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
+        key = torch.cat([k_no_pe, k_pos_emb.expand(-1, -1, N_HEADS, -1)], dim=-1)
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        # core attention stand-in: [s, b, n, d] -> [b, n, s, d], causal
+        qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) * self.q_head ** -0.5
+        causal = torch.triu(torch.ones(q_len, q_len, dtype=torch.bool, device=scores.device), 1)
+        probs = torch.softmax(scores.masked_fill(causal, float("-inf")).float(), dim=-1).type_as(vh)
+        out = torch.matmul(probs, vh).permute(2, 0, 1, 3)
+        out = out.reshape(q_len, hidden_states.shape[1], N_HEADS * V_DIM)
+        return self.linear_proj(out)[0]
+
+
+class TorchtitanDeepseekV3(nn.Module):
+    """torchtitan's DeepSeek-V3 MLA: packed tokens ``[T, H]``; ``q = wq_b(q_norm(wq_a(x)))``
+    with plain ``nn.RMSNorm`` (eps 1e-5); ``q.view`` and split; ``wkv_a(x)`` split; complex
+    rope on ``(q_pe, k_pe)`` *between* the q norm and the kv norm; only then
+    ``kv_norm(kv) -> wkv_b``; causal SDPA over tokens (the inner-attention stand-in). The
+    complex rope cache stays complex64 (``_apply``); views name their head counts for the
+    public ``-1`` (a view of zero tokens cannot infer it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = NOPE + ROPE
+        self.wq_a = nn.Linear(H, Q_LORA, bias=False)
+        self.q_norm = nn.RMSNorm(Q_LORA, eps=1e-5)
+        self.wq_b = nn.Linear(Q_LORA, N_HEADS * self.qk, bias=False)
+        self.wkv_a = nn.Linear(H, KV_LORA + ROPE, bias=False)
+        self.kv_norm = nn.RMSNorm(KV_LORA, eps=1e-5)
+        self.wkv_b = nn.Linear(KV_LORA, N_HEADS * (NOPE + V_DIM), bias=False)
+        self.wo = nn.Linear(N_HEADS * V_DIM, H, bias=False)
+        self.softmax_scale = self.qk ** -0.5
+        _init(self)
+        self.register_buffer("cache", _complex_freqs(), persistent=False)
+
+    def _apply(self, fn, recurse=True):  # the complex rope cache stays complex64
+        cache = self.cache
+        out = super()._apply(fn, recurse)
+        self.cache = cache
+        return out
+
+    def _rope(self, query, key):  # ComplexRoPE.apply_rotary_emb, positions None
+        t = query.shape[0]
+        cache = self.cache[:t].view(t, 1, self.cache.shape[-1])
+        xq = torch.view_as_complex(query.float().reshape(*query.shape[:-1], ROPE // 2, 2))
+        xk = torch.view_as_complex(key.float().reshape(*key.shape[:-1], ROPE // 2, 2))
+        xq_out = torch.view_as_real(xq * cache).flatten(-2)
+        xk_out = torch.view_as_real(xk * cache).flatten(-2)
+        return xq_out.type_as(query), xk_out.type_as(key)
+
+    def forward(self, x):
+        num_tokens = x.shape[0]
+        q = self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(num_tokens, N_HEADS, self.qk)
+        q_nope, q_pe = torch.split(q, [NOPE, ROPE], dim=-1)
+        kv, k_pe = torch.split(self.wkv_a(x), [KV_LORA, ROPE], dim=-1)
+        q_pe, k_pe = self._rope(q_pe, k_pe.unsqueeze(1))
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv)).view(num_tokens, N_HEADS, NOPE + V_DIM)
+        k_nope, v = torch.split(kv, [NOPE, V_DIM], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, k_nope.size(1), -1)], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                             v.transpose(0, 1), is_causal=True,
+                                             scale=self.softmax_scale)
+        return self.wo(out.transpose(0, 1).contiguous().view(num_tokens, N_HEADS * V_DIM))
+
+
+class RocmMegatronK3GatedMLA(nn.Module):
+    """Kimi-K3's gated MLA on ROCm's Megatron (``sdpa`` backend): the norm weights *bare*
+    ``nn.Parameter``s on the attention module (``q_a_layernorm``, ``kv_a_layernorm``; no norm
+    module), applied by one shared ``rms_norm(x, w, eps)``: upcast, normalize,
+    ``(w.to(fp32) * normed).to(x.dtype)`` (the weight first, in fp32); Megatron's
+    sequence-first wrapper transposing ``[S, B, H] -> [B, S, H]`` ``.contiguous()`` and back;
+    NoPE heads, ``k_rot.view(b, 1, s, r).expand``; SDPA with V padded to the q head and
+    sliced; a full-rank sigmoid gate in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_head = NOPE + ROPE
+        self.q_a_proj = nn.Linear(H, Q_LORA, bias=False)
+        self.q_b_proj = nn.Linear(Q_LORA, N_HEADS * self.q_head, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, KV_LORA + ROPE, bias=False)
+        self.kv_b_proj = nn.Linear(KV_LORA, N_HEADS * (NOPE + V_DIM), bias=False)
+        self.o_proj = nn.Linear(N_HEADS * V_DIM, H, bias=False)
+        self.g_proj = nn.Linear(H, N_HEADS * V_DIM, bias=False)
+        self.q_a_layernorm = nn.Parameter(torch.ones(Q_LORA))
+        self.kv_a_layernorm = nn.Parameter(torch.ones(KV_LORA))
+        self.scale = self.q_head ** -0.5
+        _init(self)
+
+    @staticmethod
+    def _hi(x):
+        return x.to(torch.promote_types(x.dtype, torch.float32))
+
+    def _rms_norm(self, x, weight, eps=EPS):
+        xf = self._hi(x)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight.to(xf.dtype) * normed).to(x.dtype)
+
+    def _mla(self, hidden_states):
+        b, s, _ = hidden_states.shape
+        q = self._rms_norm(self.q_a_proj(hidden_states), self.q_a_layernorm)
+        q = self.q_b_proj(q).view(b, s, N_HEADS, self.q_head).transpose(1, 2)
+        k_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [KV_LORA, ROPE], dim=-1)
+        k_pass = self._rms_norm(k_pass, self.kv_a_layernorm)
+        k_pass = self.kv_b_proj(k_pass).view(b, s, N_HEADS, NOPE + V_DIM).transpose(1, 2)
+        k_pass, value = torch.split(k_pass, [NOPE, V_DIM], dim=-1)
+        k_rot = k_rot.view(b, 1, s, ROPE).expand(*k_pass.shape[:-1], -1)
+        key = torch.cat((k_pass, k_rot), dim=-1)
+        pad = self.q_head - V_DIM
+        attn = F.scaled_dot_product_attention(q, key, F.pad(value, (0, pad)), is_causal=True,
+                                              scale=self.scale)[..., :V_DIM]
+        out = self._hi(attn.transpose(1, 2).reshape(b, s, N_HEADS * V_DIM))
+        out = out * torch.sigmoid(self._hi(self.g_proj(hidden_states)))
+        return self.o_proj(out.to(self.o_proj.weight.dtype))
+
+    def forward(self, hidden_states):
+        return self._mla(hidden_states.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+
+
+class HFDots1QKNorm(nn.Module):
+    """transformers' dots1 attention (Qwen3's): per-head HF RMSNorms of two projections of
+    one hidden state, ``q_norm(q_proj(x).view(b, s, heads, d))`` and
+    ``k_norm(k_proj(x).view(b, s, kv_heads, d))``, both over the head dim -- no latent, no
+    slice of a kv projection: not an MLA pair. The q/kv pass fuses them into one
+    ``dual_rms_norm`` launch by design (two norms at column 0 of two projections of the same
+    input: the same op, each with its own weight and width), and the output is eager's. GQA
+    repeat, causal attention in fp32 softmax. Views name their head counts for the public
+    ``-1`` (a view of zero tokens cannot infer it)."""
+
+    heads, kv_heads, head_dim = 4, 2, 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        d = self.head_dim
+        self.q_proj = nn.Linear(H, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(H, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(H, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, H, bias=False)
+        self.q_norm = HFRMSNorm(d)
+        self.k_norm = HFRMSNorm(d)
+        _init(self)
+
+    def forward(self, hidden_states):
+        input_shape, d = hidden_states.shape[:-1], self.head_dim
+        q = self.q_norm(self.q_proj(hidden_states).view(*input_shape, self.heads, d))
+        q = q.transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(*input_shape, self.kv_heads, d))
+        k = k.transpose(1, 2)
+        v = self.v_proj(hidden_states).view(*input_shape, self.kv_heads, d).transpose(1, 2)
+        k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        s = hidden_states.shape[1]
+        attn = torch.matmul(q, k.transpose(2, 3)) * d ** -0.5
+        attn = attn + torch.triu(torch.full((s, s), float("-inf"), dtype=attn.dtype), 1)
+        attn = torch.softmax(attn, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(attn, v).transpose(1, 2).contiguous()
+        return self.o_proj(out.reshape(*input_shape, self.heads * d))
+
+
 # =============================================================== latent MoE tails
 
 
@@ -874,6 +1441,141 @@ class NemotronNoNorm(_Tail):
 
     def forward(self, latent, h, prefix):
         return self.routed_expert_up_proj(latent * 2.5) + self.shared_experts(h)
+
+
+class _V4Norm(nn.Module):
+    """DeepSeek-V4 inference's ``RMSNorm``: an fp32 weight (kept fp32 in any model dtype),
+    ``square().mean``, ``rsqrt``, ``weight * x`` in fp32, one cast back."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS)
+        return (self.weight * xf).to(dtype)
+
+
+class AnshlerV4MTP(nn.Module):
+    """deepseek-v4-with-attention-residuals' ``MTPBlock`` (its Block AttnRes version):
+    ``e_proj(enorm(embed(ids))) + h_proj(hnorm(h))`` -- a projection of an RMSNorm plus
+    another projection's output, the MoE tail op's function exactly -- then one ``Block``
+    from ``blocks=[]``, ``partial=merged``: an AttnRes read over the merge alone, the MLA
+    front ``q_norm(wq_a(x))`` / ``kv_norm(wkv(x))`` (the kv norm on the *whole* ``wkv``
+    output, the rope its last columns), a per-head unweighted in-place rsqrt of
+    ``wq_b(q)``, complex rope written back in place (``copy_``) into the norms' outputs,
+    attention, a read over the partial, the MoE; the head. V4 norms (fp32 weights kept fp32,
+    applied in fp32, one cast). Stand-ins, as in the survey: dense causal attention with an
+    attention sink for ``sparse_attn``, the top-k MoE made dense (every expert on every
+    token, weight 0 where unrouted), no fp8 ``act_quant``. The compiled call takes the next
+    tokens' *embeddings* (``embed`` is the main model's, shared): ids cannot go through the
+    catalogue's dtype casts; the head reads every position (the public one the last: a
+    catalogue entry compiles at zero tokens); the block's sublayer counter is unrolled. A
+    correct pass fuses the merge as a tail (``hnorm`` into ``h_proj``, the ``e_proj``
+    output the added term) and pairs ``q_norm`` with ``kv_norm``; the reads over one source
+    are no contraction."""
+
+    heads, head_dim, o_groups, o_lora = 2, KV_LORA, 2, 24
+    experts, topk, inter, vocab = 4, 2, 48, 40
+
+    def __init__(self) -> None:
+        super().__init__()
+        d, n = self.head_dim, self.heads
+        self.enorm, self.hnorm, self.norm = _V4Norm(H), _V4Norm(H), _V4Norm(H)
+        self.e_proj = nn.Linear(H, H, bias=False)
+        self.h_proj = nn.Linear(H, H, bias=False)
+        # the block: AttnRes reads, attention, MoE
+        self.attn_res_proj = nn.Parameter(torch.zeros(H))
+        self.mlp_res_proj = nn.Parameter(torch.zeros(H))
+        self.attn_res_norm, self.mlp_res_norm = _V4Norm(H), _V4Norm(H)
+        self.attn_norm, self.ffn_norm = _V4Norm(H), _V4Norm(H)
+        self.attn_sink = nn.Parameter(torch.zeros(n))
+        self.wq_a = nn.Linear(H, Q_LORA, bias=False)
+        self.q_norm = _V4Norm(Q_LORA)
+        self.wq_b = nn.Linear(Q_LORA, n * d, bias=False)
+        self.wkv = nn.Linear(H, d, bias=False)
+        self.kv_norm = _V4Norm(d)
+        self.wo_a = nn.Linear(n * d // self.o_groups, self.o_groups * self.o_lora, bias=False)
+        self.wo_b = nn.Linear(self.o_groups * self.o_lora, H, bias=False)
+        self.gate_w = nn.Parameter(torch.ones(self.experts, H))
+        self.gate_bias = nn.Parameter(torch.zeros(self.experts))
+        n_mlp = self.experts + 1  # the routed experts, then the shared one
+        self.w1 = nn.ModuleList(nn.Linear(H, self.inter, bias=False) for _ in range(n_mlp))
+        self.w3 = nn.ModuleList(nn.Linear(H, self.inter, bias=False) for _ in range(n_mlp))
+        self.w2 = nn.ModuleList(nn.Linear(self.inter, H, bias=False) for _ in range(n_mlp))
+        self.head = nn.Parameter(torch.ones(self.vocab, H))
+        _init(self)
+        self.freqs_cis = _complex_freqs(ROPE)  # a plain attribute: complex64 in any dtype
+
+    def _apply(self, fn, recurse=True):  # fp32 masters: norm weights, the sink, gate bias, head
+        names = [n for n, _ in self.named_parameters()
+                 if n.endswith("norm.weight") or n in ("attn_sink", "gate_bias", "head")]
+        return _keep_fp32(super()._apply(fn, recurse), *names)
+
+    def _depth_mix(self, sources, q, norm):
+        V = torch.stack(sources, dim=2)  # [b, s, N, d]
+        logits = torch.einsum("d,bsnd->bsn", q.float(), norm(V).float()) * H ** -0.5
+        p = F.softmax(logits, dim=-1)
+        return torch.einsum("bsn,bsnd->bsd", p, V.float()).to(sources[0].dtype)
+
+    @staticmethod
+    def _rope_(x, freqs, inverse=False):  # rotate pairs as complex numbers, written back into x
+        c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        f = freqs.conj() if inverse else freqs
+        f = f.view(1, c.size(1), c.size(-1)) if c.ndim == 3 else f.view(1, c.size(1), 1, c.size(-1))
+        x.copy_(torch.view_as_real(c * f).flatten(-2))
+
+    def _attention(self, x):
+        b, s, _ = x.shape
+        n, d, f = self.heads, self.head_dim, self.freqs_cis[:s]
+        q = self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (n, d))
+        q *= torch.rsqrt(q.square().mean(-1, keepdim=True) + EPS)
+        self._rope_(q[..., -ROPE:], f)
+        kv = self.kv_norm(self.wkv(x))
+        self._rope_(kv[..., -ROPE:], f)
+        # sparse_attn stand-in: dense causal attention with a sink
+        logits = torch.einsum("bshd,btd->bsht", q.float(), kv.float()) * d ** -0.5
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        logits = logits.masked_fill(mask[None, :, None, :], float("-inf"))
+        sink = self.attn_sink.view(1, 1, n, 1).expand(b, s, n, 1)
+        p = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
+        o = torch.einsum("bsht,btd->bshd", p, kv.float()).to(q.dtype)
+        self._rope_(o[..., -ROPE:], f, inverse=True)
+        o = o.view(b, s, self.o_groups, n * d // self.o_groups)
+        o = torch.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.o_groups, self.o_lora, -1))
+        return self.wo_b(o.flatten(2))
+
+    def _expert(self, i, x, weights=None):
+        dtype = x.dtype
+        g, u = self.w1[i](x).float(), self.w3[i](x).float()
+        a = F.silu(g) * u
+        if weights is not None:
+            a = weights * a
+        return self.w2[i](a.to(dtype))
+
+    def _moe(self, x):
+        shape = x.shape
+        x = x.view(-1, H)
+        raw = F.softplus(F.linear(x.float(), self.gate_w.float())).sqrt()
+        idx = (raw + self.gate_bias).topk(self.topk, dim=-1)[1]
+        w = raw.gather(1, idx)
+        w /= w.sum(dim=-1, keepdim=True)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(self.experts):  # the routed loop made dense
+            y += self._expert(e, x, (w * (idx == e)).sum(-1, keepdim=True))
+        y += self._expert(self.experts, x)  # the shared expert
+        return y.type_as(x).view(shape)
+
+    def forward(self, h, e):
+        e, x = self.enorm(e), self.hnorm(h)
+        merged = self.e_proj(e) + self.h_proj(x)
+        a_in = self._depth_mix([merged], self.attn_res_proj, self.attn_res_norm)
+        partial = merged + self._attention(self.attn_norm(a_in))
+        f_in = self._depth_mix([partial], self.mlp_res_proj, self.mlp_res_norm)
+        partial = partial + self._moe(self.ffn_norm(f_in))
+        return F.linear(self.norm(partial).float(), self.head)
 
 
 def _src(repo, path, commit):
@@ -936,14 +1638,42 @@ ENTRIES: list[Entry] = [
                                         "58e942ab61badc0070cef55cd0bd4688223a2cd1"),
           NanogptRoundedScale, "keys x * rsqrt(...).to(x.dtype) * w, query .to(V.dtype), "
           "ellipsis einsums", {ATTN: 6}, attn_res_blocks=[1, 1, 2, 2, 3, 3]),
+    Entry("limei_weight_first_norm", _src("limei1221/nanoAttnRes", "model.py",
+                                          "2eb550584cc6765a9dfce6d2c098be4cdefa2729"),
+          LimeiWeightFirstNorm, "key norm weight * x / sqrt(mean(x^2) + eps) in the model dtype, "
+          "einsum with proj.weight[0], zeros_like partial at each block start, no final read",
+          {ATTN: 7}, attn_res_blocks=[1, 1, 2, 2, 3, 3, 4]),
+    Entry("zefan_two_queries_one_stack", _src("Zefan-Cai/open-attention-residuals",
+                                              "Attention-Residuals/modeling_qwen3_attnres.py",
+                                              "16a28d48c80794fcaa5e411f8cb8e4b70a4387de"),
+          ZefanTwoQueriesOneStack, "Full AttnRes over sublayer outputs, mix added to the stream, "
+          "two queries and key norms read the same stack (delta_v)", {ATTN: 7, QKV: 1},
+          attn_res_blocks=[1, 2, 2, 3, 4, 4, 5],
+          pairs=[frozenset({"a_norm.0.weight", "v_norm.0.weight"})]),
+    Entry("highbuyer_two_pass", _src("highbuyer/attnres", "src/model_v2.py",
+                                     "a50ddd00f5d63b310d5f4dbe9f4264d04b3b31ca"),
+          HighbuyerTwoPass, "per-source nn.RMSNorm keys and einsum logits, only the logits "
+          "stacked, mix zeros_like + add_(p[n] * v[n])", {ATTN: 5},
+          attn_res_blocks=[1, 1, 2, 2, 3]),
+    Entry("megatron_loop_read", _src("kimmichtank/rms-block-attnres",
+                                     "scaling/megatron-attnres.patch",
+                                     "7a1ee06d8cd06dbd9f9ef6e45d00758c179908a4"),
+          MegatronLoopRead, "Megatron-LM AttnRes fork's torch reference: [S, B, H], per-source "
+          "model-dtype key norms and einsum logits, mix out = out + p[d] * v, rms_block state",
+          {ATTN: 8}, inputs_kind="seq_first", attn_res_blocks=[1, 1, 1, 1, 2, 2, 2, 2]),
     Entry("scaled_logits", _src("sunnyang1/Adaptive-Deep-Networks", "src/attnres/block_attnres.py",
                                 "2a631bc0b5977ce1adff48f44bc73fd4ac80c272"),
           ScaledLogits, "near relative: logits / sqrt(H)", {ATTN: 0}),
     Entry("recency_bias", _src("wdlctc/open-attention-residuals", "modeling_attnres.py",
                                "83d2b8de82c2fbb981c7decca67d13d9db348da6"),
           RecencyBias, "near relative: a learned bias on the newest logit", {ATTN: 0}),
-    Entry("normalized_source_mix", _src("(none public)", "-", "-"),
-          NormalizedSourceMix, "near relative: the keys mixed instead of the sources", {ATTN: 0}),
+    Entry("xrenya_layernorm_keys", _src("Xrenya/Attention-Residuals", "attn_res.py",
+                                        "593be6d702b1e33b1657fe165bdb968c18a2cd4f"),
+          XrenyaLayerNormKeys, "near relative: LayerNorm keys, logits * 1/sqrt(D)", {ATTN: 0}),
+    Entry("normalized_source_mix", _src("kimmichtank/rms-block-attnres", "small/pretrain_core.py",
+                                        "7a1ee06d8cd06dbd9f9ef6e45d00758c179908a4"),
+          FullRMSAggregate, "near relative: the keys mixed instead of the sources "
+          "(full_rms_aggregate)", {ATTN: 0}),
     # ---------------------------------------------------------------- MLA
     Entry("hf_deepseek_v3", _src("huggingface/transformers",
                                  "src/transformers/models/deepseek_v3/modeling_deepseek_v3.py",
@@ -992,6 +1722,35 @@ ENTRIES: list[Entry] = [
     Entry("gemma_pair", _src("NVIDIA/TensorRT-LLM", "tensorrt_llm/_torch/modules/rms_norm.py",
                              "b35ac1b64368513d215c57d2ed01d62d910df8da"),
           GemmaPair, "near relative: (1 + w) norms", {QKV: 0}),
+    Entry("deepseek_v3_cache_write", _src("deepseek-ai/DeepSeek-V3", "inference/model.py",
+                                          "9b4e9788e4a3a731f7567338ed15d3ec549ce03b"),
+          DeepseekV3CacheWrite, "F.rms_norm norms in the model dtype, complex rope, q absorbed "
+          "into wkv_b, the kv norm read only through a kv_cache buffer write", {QKV: 1},
+          pairs=[frozenset({"q_norm.weight", "kv_norm.weight"})]),
+    Entry("megatron_core_mla", _src("NVIDIA/Megatron-LM",
+                                    "megatron/core/transformer/multi_latent_attention.py",
+                                    "d98e8a64ddf34856e74b24714e3bedb2f5a39553"),
+          MegatronCoreMLA, "[S, B, H], both down projections before the norms, torch.nn.RMSNorm, "
+          "(out, bias) linears, interleaved rope", {QKV: 1}, inputs_kind="seq_first",
+          pairs=[frozenset({"q_layernorm.weight", "kv_layernorm.weight"})]),
+    Entry("torchtitan_deepseek_v3", _src("pytorch/torchtitan",
+                                         "torchtitan/models/deepseek_v3/model.py",
+                                         "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"),
+          TorchtitanDeepseekV3, "[T, H], nn.RMSNorm eps 1e-5, complex rope between the q norm "
+          "and the kv norm", {QKV: 1}, inputs_kind="tokens",
+          pairs=[frozenset({"q_norm.weight", "kv_norm.weight"})]),
+    Entry("rocm_megatron_k3_gated_mla", _src("ROCm/Megatron-LM", "kimi_k3/attention/gated_mla.py",
+                                             "23154406525053857799356d62a521f675b63489"),
+          RocmMegatronK3GatedMLA, "bare nn.Parameter norm weights, one rms_norm(x, w, eps) "
+          "with the weight first in fp32, [S, B, H] transposed .contiguous(), gated SDPA",
+          {QKV: 1}, inputs_kind="seq_first",
+          pairs=[frozenset({"q_a_layernorm", "kv_a_layernorm"})]),
+    Entry("hf_dots1_qk_norm", _src("huggingface/transformers",
+                                   "src/transformers/models/dots1/modeling_dots1.py",
+                                   "54d1c51d7caea79738710dede0481897ab69d4b9"),
+          HFDots1QKNorm, "not MLA: Qwen3-style per-head q/k norms of two projections of one "
+          "hidden state, one dual norm by design", {QKV: 1},
+          pairs=[frozenset({"q_norm.weight", "k_norm.weight"})]),
     # ---------------------------------------------------------------- latent MoE
     Entry("vllm_latent_tail", _src("vllm-project/vllm", "vllm/models/kimi_k3/nvidia/model.py",
                                    "006193b5a9a7957c11bc6472588f951e778072b5"),
@@ -1008,6 +1767,13 @@ ENTRIES: list[Entry] = [
                                    "ae3cf70e65cdebb740497f62ac16e35440fe45de"),
           NemotronNoNorm, "near relative: no norm on the latent, a biased up-proj", {TAIL: 0},
           inputs_kind="moe"),
+    Entry("anshler_v4_mtp", _src("Anshler/deepseek-v4-with-attention-residuals",
+                                 "inference/model.py", "be0e8761762735618dcbb4dcce1435bb9115c115"),
+          AnshlerV4MTP, "MTP merge e_proj(enorm(e)) + h_proj(hnorm(h)) (the tail's function), "
+          "then a V4 block: q_norm / kv_norm on the whole wkv output, in-place complex rope",
+          {QKV: 1, TAIL: 1}, inputs_kind="mtp",
+          pairs=[frozenset({"q_norm.weight", "kv_norm.weight"})],
+          tails=[("hnorm.weight", "h_proj.weight")]),
 ]
 
 BY_NAME = {e.name: e for e in ENTRIES}

@@ -811,3 +811,41 @@ def test_fp32_mix_whose_round_trip_was_dropped_folds_its_output_norm():
     assert a["out_norm_w"] is not None and a["num_blocks"] == 2
     assert count_op(be.graph_after, aten.rsqrt.default) == 0
     torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())
+
+
+class _FoldedQueryFp32Mix(nn.Module):
+    """KartikVashishta/attention-residuals' ``DepthResidual``: the key-norm weight folded
+    into the query in the model dtype, then ``.float()``; unweighted fp32 keys; an einsum
+    mix over ``sources.float()`` cast back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.query = nn.Parameter(torch.randn(16, generator=g) / 4)
+        self.norm_w = nn.Parameter(1 + 0.2 * torch.randn(16, generator=g))
+
+    def forward(self, *sources):
+        s = torch.stack(sources, dim=0)
+        q = (self.query * self.norm_w).float()
+        x = s.float()
+        keys = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-8)
+        w = torch.einsum("d, n b t d -> n b t", q, keys).softmax(dim=0)
+        return torch.einsum("n b t, n b t d -> b t d", w, s.float()).to(s.dtype)
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp32_einsum_mix_cast_back_at_one_token(tokens, dtype):
+    """At T = 1 the einsum's view-back of an fp32 mix passes through several views with the
+    mix's layout (size-1 dims); the cast back reads the last, and the site fuses (before
+    2026-12-05 the first was taken and the mix looked left in fp32: a miss at decode)."""
+    model = _FoldedQueryFp32Mix().to(dtype)
+    g = torch.Generator().manual_seed(tokens)
+    sources = [torch.randn(2, tokens, 16, generator=g).to(dtype) for _ in range(3)]
+    with torch.no_grad():
+        expected = model(*sources)
+    out, be = compile_capture(model, *sources)
+    assert count_op(be.graph_after, ATTN_RES) == 1
+    bound = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float(), expected.float(), **bound)
