@@ -116,7 +116,10 @@ def test_public_mla_spellings_read_their_weights_early():
     norm weights parameters, so every pair gets the flag; the output equals eager's."""
     from public_catalogue import ENTRIES
 
-    entries = [e for e in ENTRIES if e.fused.get("qkv_rmsnorm")]
+    # (an AttnRes entry's pair is two key norms of one graph input's views, no projections;
+    # an entry that also fuses a tail is held to that op's bound, in test_public_catalogue)
+    entries = [e for e in ENTRIES if e.fused.get("qkv_rmsnorm") and not e.fused.get("attn_res")
+               and not e.fused.get("moe_tail")]
     assert entries
     for entry in entries:
         model = entry.build().eval().to(torch.bfloat16)
