@@ -21,7 +21,7 @@ from torch._inductor import inductor_prims
 import k3fusion
 
 import test_attn_res_mutations as muts
-from graph_utils import (CaptureBackend, K3Calls, LoweringBackend, SideBySide,  # noqa: F401
+from graph_utils import (CaptureBackend, K3Calls,  # noqa: F401
                          count_op, fresh_state, gpu_softmax_form, op_histogram)
 from public_catalogue import ENTRIES
 from test_public_catalogue import _errors, _flat, _fused_counts, check_sites, spec_path
@@ -53,17 +53,26 @@ def test_site_with_online_softmax(spelling, mutation):
         assert online.rewrites >= 1
 
 
-ATTN_RES_ENTRIES = [e for e in ENTRIES if e.fused.get("attn_res")]
+#: One entry per way a catalogue site reaches its softmax (the online branch is one piece
+#: of code: the spellings above draw its near misses): stacked sources first (einsum),
+#: a [T, N, H] bank, sequence-first, flattened rows, logits minus their max, an output
+#: norm with a delta, per-source logits (two forms), a unit scale.
+ATTN_RES_ENTRIES = [e for e in ENTRIES if e.name in (
+    "moonshot_readme", "k3_folded_query", "k3_sequence_first", "k3_flattened_projection",
+    "catswe_paper_form", "vllm_test_reference", "highbuyer_two_pass", "megatron_loop_read",
+    "fast_attnres_reference")]
 #: entries whose softmax is ``softmax(l * 1.0)`` (Inductor's where-form on torch 2.13: no
 #: online rewrite)
 WHERE_FORM_ENTRIES = {"fast_attnres_reference"}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 @pytest.mark.parametrize("entry", ATTN_RES_ENTRIES, ids=[e.name for e in ATTN_RES_ENTRIES])
 def test_catalogue_entry_with_online_softmax(entry, dtype):
-    """Every public AttnRes implementation of the catalogue fuses the same sites (by block
-    count) in the GPU's softmax form, and is no less accurate than eager against fp64."""
+    """The public AttnRes implementations above fuse the same sites (by block count) in
+    the GPU's softmax form, in the dtype a GPU serves, and are no less accurate than eager
+    against fp64. (Lowering and codegen of the fused op do not depend on the softmax's
+    form: test_public_catalogue compiles every entry through them.)"""
     model = entry.build().eval()
     ref_model = copy.deepcopy(model).double()
     model = model.to(dtype)
@@ -86,26 +95,3 @@ def test_catalogue_entry_with_online_softmax(entry, dtype):
     ulp = torch.finfo(torch.float32).eps * max(t.abs().mean().item() for t in _flat(ref))
     assert c_mean <= slack * e_mean + 2 * ulp and c_max <= 1.5 * e_max + 8 * ulp, (
         f"compiled max/mean error {c_max:.3g}/{c_mean:.3g}, eager {e_max:.3g}/{e_mean:.3g}")
-
-
-def test_catalogue_lowers_with_online_softmax():
-    """Lowering and codegen for real, every AttnRes entry side by side in bf16, in the GPU's
-    softmax form, T 64: the fused sites, and the online reductions Inductor lowers for what
-    stays unfused, compile; the output equals eager's within bf16 rounding. (Other token
-    counts and dynamic shapes: test_public_catalogue, in the CPU's form.)"""
-    tokens, dynamic = 64, False
-    models = [e.build().eval().to(torch.bfloat16) for e in ATTN_RES_ENTRIES]
-    args = [e.inputs(tokens, torch.bfloat16) for e in ATTN_RES_ENTRIES]
-    module = SideBySide([(m, len(a)) for m, a in zip(models, args)])
-    flat = [t for a in args for t in a]
-    be = LoweringBackend()
-    with gpu_softmax_form() as online, torch.no_grad(), spec_path():
-        got = torch.compile(module, backend=be, dynamic=dynamic, fullgraph=True)(*flat)
-        want = module(*flat)
-    assert be.lowered == be.compiles == 1 and online.rewrites >= 1
-    assert k3fusion.match_counts()["attn_res"] == sum(
-        e.expected(torch.bfloat16, dynamic)[0]["attn_res"] for e in ATTN_RES_ENTRIES)
-    for a, b in zip(_flat(got), _flat(want)):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        scale = b.float().abs().max().item() if b.numel() else 0.0
-        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05 * max(scale, 1.0))
