@@ -108,8 +108,8 @@ KINDS = {"attn_res": [e for e in ENTRIES if e.fused.get("attn_res")],
                       and not e.fused.get("attn_res") and not e.fused.get("qkv_rmsnorm")]}
 #: Entries per side-by-side graph: a dynamic compile's time grows faster than its graph
 #: (one graph of 20 AttnRes entries took 56 s, alone at the end of a CI run); groups of
-#: this many compile in parallel workers instead.
-GROUP = 6
+#: this many compile in parallel workers instead (6 per group cost 30 s more in all).
+GROUP = 12
 GROUPS = {f"{kind}{i // GROUP}": (kind, entries[i:i + GROUP])
           for kind, entries in KINDS.items() for i in range(0, len(entries), GROUP)}
 
