@@ -873,7 +873,7 @@ def _per_source_sum(p: Node, sources: list[Node], x32s: list[Node], d: int
     if len(terms) != len(sources):
         raise NoMatch("not every source is mixed")
 
-    def leaves(node) -> list[Node]:
+    def leaves(node, inner: list[Node]) -> list[Node]:
         """The terms a sum adds (its zeros and adds go to ``inner``)."""
         if node in terms.values():
             return [node]
@@ -882,7 +882,7 @@ def _per_source_sum(p: Node, sources: list[Node], x32s: list[Node], d: int
             return []
         if is_op(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1:
             inner.append(node)
-            return leaves(node.args[0]) + leaves(node.args[1])
+            return leaves(node.args[0], inner) + leaves(node.args[1], inner)
         raise NoMatch("not a sum of weighted sources")
 
     total = terms[0]
@@ -891,25 +891,23 @@ def _per_source_sum(p: Node, sources: list[Node], x32s: list[Node], d: int
         if len(up) != 1 or not is_op(up[0], aten.add.Tensor):
             break
         try:
-            inner = []
-            leaves(up[0])
+            leaves(up[0], [])
         except NoMatch:
             break
         total = up[0]
-    inner = []
-    if sorted(leaves(total), key=id) != sorted(terms.values(), key=id):
+    inner: list[Node] = []
+    if sorted(leaves(total, inner), key=id) != sorted(terms.values(), key=id):
         raise NoMatch("the sum misses or repeats a weighted source")
     return total, nodes + inner
 
 
-def _match_per_source(div: Node, logits: Node, sd: int, nodes: list[Node]) -> AttnResSite:
-    """A read that norms and projects each source on its own and stacks only the logits:
+def _match_per_source(div: Node, stacked: tuple[list[Node], list[Node]], sd: int,
+                      nodes: list[Node]) -> AttnResSite:
+    """A read that norms and projects each source on its own and stacks only the logits
+    (``stacked``: :func:`_stacked_parts`'s parts and nodes):
     ``softmax(stack([w . RMSNorm(v) for v in sources]), d)``, mixed as ``sum_i p[i] * v_i``
     (Megatron-derived and community "two-pass" forms). The op reads the sources as a list
     bank: the older ones its blocks, the newest its prefix."""
-    stacked = _stacked_parts(logits, sd)
-    if stacked is None:
-        raise NoMatch("logits are not a squeezed projection")
     parts, stack_nodes = stacked
     read = [_projection(part) for part in parts]
     norms = [_key_norm(keys) for keys, _, _ in read]
@@ -967,10 +965,11 @@ def match_attn_res(div: Node) -> AttnResSite:
     except NoMatch:
         raw = logits.args[0] if is_op(logits, _CAST) and logits.args[1] == torch.float32 \
             else logits
-        if _stacked_parts(raw, sd) is None:
+        stacked = _stacked_parts(raw, sd)
+        if stacked is None:
             raise
-        return _match_per_source(div, raw, sd, nodes + shift_nodes + ([logits] if raw
-                                                                        is not logits else []))
+        return _match_per_source(div, stacked, sd, nodes + shift_nodes + ([logits] if raw
+                                                                           is not logits else []))
     sources, norm_w, eps, x32, key_nodes = _key_norm(keys)
     if val(keys).dim() != val(logits).dim() + 1:  # rows normed flat, logits reshaped back
         sources, flat_nodes = _flattened_rows(sources, logits)
