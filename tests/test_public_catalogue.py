@@ -203,3 +203,31 @@ def test_k3_shaped_entry_compiled_for_real_on_cuda(name, monkeypatch):
     # the mean is the bound (issue 27); the max, a noisier statistic over 8 layers of
     # Inductor-compiled sublayers, within 2x
     assert c_mean <= 1.2 * e_mean + 1e-7 and c_max <= 2 * e_max + 1e-6, report
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,tokens", [(torch.bfloat16, 1), (torch.bfloat16, 33),
+                                          (torch.float32, 33)], ids=["bf16-T1", "bf16-T33", "fp32-T33"])
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
+def test_every_entry_compiled_for_real_on_cuda(entry, dtype, tokens):
+    """Every entry at test sizes on the GPU through ``backend="k3fusion"``: Inductor's CUDA
+    graph (its online softmax, its own decompositions), the Triton kernels for real. The
+    counts of the CPU test, and no less accurate than eager against an fp64 copy (the CPU
+    test's bounds)."""
+    with torch.device("cuda"):
+        model = entry.build().eval()
+    ref_model = copy.deepcopy(model).double()
+    model = model.to(dtype)
+    args = entry.inputs(tokens, dtype, device="cuda")
+    with torch.no_grad():
+        ref = ref_model(*(a.double() for a in args))
+        del ref_model
+        eager = model(*args)
+        out = torch.compile(model, backend="k3fusion", fullgraph=True)(*args)
+    assert _fused_counts(entry) == entry.expected(dtype)[0]
+    e_max, e_mean = _errors(eager, ref)
+    c_max, c_mean = _errors(out, ref)
+    ulp = torch.finfo(torch.float32).eps * _size(ref)
+    slack = 1.2 if dtype == torch.bfloat16 else 1.1
+    assert c_mean <= slack * e_mean + 2 * ulp and c_max <= 1.5 * e_max + 8 * ulp, (
+        f"compiled max/mean error {c_max:.3g}/{c_mean:.3g}, eager {e_max:.3g}/{e_mean:.3g}")
