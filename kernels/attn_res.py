@@ -36,7 +36,7 @@ __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SP
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
            "SPLIT_CHUNK", "SPLIT_MAX_PROGRAMS", "SPLIT_MAX_SOURCES", "PREFILL_LOOP_STAGES",
            "EARLY_TILE_MAX_TOKENS", "LAUNCH_TABLE", "TILE_MAX_PER_THREAD", "table_shape",
-           "parse_shape"]
+           "parse_shape", "TRIGGERS"]
 
 #: Switch for measurements (docs/bench-methods.md, ``--late-trigger``): True lets a PDL
 #: launch's dependents start after its last store instead of at its start.
@@ -512,9 +512,15 @@ class LaunchShape:
     loop_stages: int = 1
     #: Row kernel: load the first source tile before the prefix (its own round trip).
     early_tile: bool = False
+    #: Where a PDL launch lets the next launch start: ``"entry"`` (after its wait),
+    #: ``"exit"`` (after its last store) or ``"off"`` (not a PDL launch unless the caller
+    #: asks for one). Table names: no suffix, ``L``, ``N``.
+    trigger: str = "entry"
 
 
-_LABEL = re.compile(r"r(\d+)x(\d+)(e?)(?:p(\d+))?|solo(\d+)|s(\d+)x(\d+)")
+_LABEL = re.compile(r"(?:r(\d+)x(\d+)(e?)(?:p(\d+))?|solo(\d+)|s(\d+)x(\d+))([LN]?)")
+#: A table name's suffix -> :attr:`LaunchShape.trigger`.
+TRIGGERS = {"": "entry", "L": "exit", "N": "off"}
 
 
 def parse_shape(name: str, H: int) -> LaunchShape:
@@ -522,14 +528,16 @@ def parse_shape(name: str, H: int) -> LaunchShape:
     m = _LABEL.fullmatch(name)
     if m is None:
         raise ValueError(f"not a launch shape name: {name!r}")
-    spt, warps, early, stages, solo, chunk, split_warps = m.groups()
+    spt, warps, early, stages, solo, chunk, split_warps, suffix = m.groups()
     block_h = triton.next_power_of_2(max(H, 1))
+    trigger = TRIGGERS[suffix]
     if solo:
-        return LaunchShape("split", int(solo), block_h, chunk=block_h)
+        return LaunchShape("split", int(solo), block_h, chunk=block_h, trigger=trigger)
     if chunk:
-        return LaunchShape("split", int(split_warps), block_h, chunk=min(int(chunk), block_h))
+        return LaunchShape("split", int(split_warps), block_h, chunk=min(int(chunk), block_h),
+                           trigger=trigger)
     return LaunchShape("row", int(warps), block_h, sources_per_tile=int(spt),
-                       loop_stages=int(stages or 1), early_tile=bool(early))
+                       loop_stages=int(stages or 1), early_tile=bool(early), trigger=trigger)
 
 
 def tile_rows(shape: LaunchShape, num_blocks: int) -> int:
@@ -650,6 +658,18 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
                        loop_stages=loop_stages, early_tile=bool(early_tile))
 
 
+def pdl_flags(pdl: bool, asked: bool | None, shape: LaunchShape) -> tuple[bool, bool]:
+    """``(PDL, LATE_TRIGGER)`` of a launch of ``shape``: ``pdl`` whether it can be a PDL
+    launch (:func:`_launch.pdl_launch`), ``asked`` the caller's ``pdl``. The shape's
+    trigger applies where the caller left PDL to the launch (None); ``pdl=True`` keeps it
+    a PDL launch even where the shape says ``"off"``."""
+    if shape.trigger not in TRIGGERS.values():
+        raise ValueError(f"shape.trigger must be one of {sorted(TRIGGERS.values())}, "
+                         f"got {shape.trigger!r}")
+    pdl = pdl and not (shape.trigger == "off" and asked is None)
+    return pdl, pdl and (LATE_TRIGGER or shape.trigger == "exit")
+
+
 @on_tensor_device
 def attn_res(
     prefix: torch.Tensor,
@@ -698,6 +718,7 @@ def attn_res(
     if out_norm_w is not None:
         tensors.append(out_norm_w)
     check_launchable(*tensors)
+    pdl_asked = pdl
     pdl = pdl_launch(prefix.device, pdl) and not split_phases
     T, H = prefix.shape
     if T == 0:
@@ -711,6 +732,7 @@ def attn_res(
     if not isinstance(shape, LaunchShape):
         shape = pick_launch_shape(T, H, num_blocks, element_size=blocks.element_size(),
                                   **(shape or {}))
+    pdl, late_trigger = pdl_flags(pdl, pdl_asked, shape)
     has_delta = delta is not None
     has_norm = out_norm_w is not None
     common = (
@@ -725,7 +747,7 @@ def attn_res(
     flags = dict(HAS_DELTA=has_delta, WRITE_BLOCK=write, HAS_OUT_NORM=has_norm,
                  OUT_WEIGHT_IN_FP32=bool(out_weight_in_fp32), NUM_BLOCKS=int(num_blocks),
                  num_warps=shape.num_warps,
-                 PDL=pdl, LATE_TRIGGER=pdl and LATE_TRIGGER,
+                 PDL=pdl, LATE_TRIGGER=late_trigger,
                  **({"launch_pdl": True} if pdl else {}))
     if shape.kind == "row":
         _attn_res_kernel[(T,)](*common, H, float(eps), float(out_eps),

@@ -258,3 +258,29 @@ def test_selected_launches_match_the_spec_at_the_sweeps_sizes(H: int) -> None:
             c = replace(_K3, T=T, H=H, nb_max=9, num_blocks=nb, write_idx=8)
             assert pick_launch_shape(T, H, nb) == table_shape(T, H, nb)
             run_and_check(c, seed=T * 16 + nb)
+
+
+@pytest.mark.parametrize("suffix,trigger", [("", "entry"), ("L", "exit"), ("N", "off")])
+@pytest.mark.parametrize("name", ["r1x8p3", "r4x8e", "solo16", "s1024x4"])
+def test_shape_names_carry_the_pdl_trigger(name, suffix, trigger):
+    shape = parse_shape(name + suffix, 7168)
+    assert shape.trigger == trigger
+    assert sweep.label(shape) == name + suffix
+    assert replace(shape, trigger="entry") == parse_shape(name, 7168)
+
+
+def test_the_shape_trigger_decides_pdl_unless_the_caller_does():
+    from k3fusion.kernels.attn_res import pdl_flags
+
+    shapes = {t: parse_shape("solo8" + s, 7168) for s, t in
+              (("", "entry"), ("L", "exit"), ("N", "off"))}
+    # (can PDL, caller's pdl, trigger) -> (PDL, LATE_TRIGGER)
+    assert pdl_flags(True, None, shapes["entry"]) == (True, False)
+    assert pdl_flags(True, None, shapes["exit"]) == (True, True)
+    assert pdl_flags(True, None, shapes["off"]) == (False, False)
+    assert pdl_flags(True, True, shapes["off"]) == (True, False)  # asked for: kept
+    for t in shapes:
+        assert pdl_flags(False, None, shapes[t]) == (False, False)
+        assert pdl_flags(False, False, shapes[t]) == (False, False)
+    with pytest.raises(ValueError, match="trigger"):
+        pdl_flags(True, None, replace(shapes["entry"], trigger="late"))

@@ -36,7 +36,7 @@ import triton.language as tl
 from k3fusion import reference
 from k3fusion.kernels import attn_res as attn_res_kernels
 from k3fusion.kernels.attn_res import attn_res as launch
-from k3fusion.kernels.attn_res import pick_launch_shape, tile_rows
+from k3fusion.kernels.attn_res import TRIGGERS, pick_launch_shape, tile_rows
 
 from . import peers as peer_kernels
 from .common import add_peers_argument, add_scratch_argument, environment, hf_rms_norm
@@ -102,12 +102,13 @@ def label(shape) -> str:
     """Short name of a launch shape: ``r4x16e`` (row: sources per tile x warps, ``e`` early
     first tile, ``p3`` pipelined three deep), ``s1024x4`` (split: columns x warps),
     ``solo8`` (one program per token, 8 warps)."""
+    suffix = {v: k for k, v in TRIGGERS.items()}[shape.trigger]
     if shape.kind == "row":
         return (f"r{shape.sources_per_tile}x{shape.num_warps}" + ("e" if shape.early_tile else "")
-                + (f"p{shape.loop_stages}" if shape.loop_stages > 1 else ""))
+                + (f"p{shape.loop_stages}" if shape.loop_stages > 1 else "") + suffix)
     if shape.chunk >= shape.block_h:
-        return f"solo{shape.num_warps}"
-    return f"s{shape.chunk}x{shape.num_warps}"
+        return f"solo{shape.num_warps}{suffix}"
+    return f"s{shape.chunk}x{shape.num_warps}{suffix}"
 
 
 def previous_default(T: int, H: int, nb: int) -> str:
