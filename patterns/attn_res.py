@@ -152,15 +152,28 @@ def _softmax(div: Node) -> tuple[Node, int, list[Node]]:
             raise NoMatch("not a softmax denominator")
         d = _one_dim(exp, denom.args[1])
         of = scaled[0] if scaled else logits  # the scaled form's max is of l * 1
-        if not (is_op(amax, aten.amax.default) and amax.args[0] is of and keepdim_of(amax)
-                and _one_dim(logits, amax.args[1]) == d):
-            raise NoMatch("softmax without amax over its own dim")
-        nodes = scaled + [amax, sub, exp, denom, div]
+        shift = _kept_max(amax)
+        if not (shift and shift[0] is of and _one_dim(logits, shift[1]) == d):
+            raise NoMatch("softmax without a max over its own dim")
+        nodes = scaled + shift[2] + [sub, exp, denom, div]
     if dtype_of(logits) != torch.float32:
         raise NoMatch(f"softmax in {dtype_of(logits)}, not float32")
     if dtype_of(div) != torch.float32 or val(div).shape != val(logits).shape:
         raise NoMatch("softmax result is not the logits' shape in float32")
     return logits, d, nodes
+
+
+def _kept_max(node: object) -> tuple[Node, list, list[Node]] | None:
+    """``amax(x, dims, keepdim=True)``, or ``x.max(d, keepdim=True).values`` (``max.dim``,
+    whose indices nothing else reads: a module that also uses them needs the reduction)
+    -> (x, dims, nodes); None for anything else."""
+    if is_op(node, aten.amax.default) and keepdim_of(node):
+        return node.args[0], node.args[1], [node]
+    if is_op(node, operator.getitem) and node.args[1] == 0:
+        red = node.args[0]
+        if is_op(red, aten.max.dim) and keepdim_of(red) and users(red) == [node]:
+            return red.args[0], [red.args[1]], [node, red]
+    return None
 
 
 def _times_one(node: object) -> Node | None:
@@ -235,14 +248,9 @@ def _minus_max(logits: Node, d: int) -> tuple[Node, list[Node]]:
     raw, mx = logits.args
     if not isinstance(raw, Node) or val(logits).shape != val(raw).shape:
         return logits, []
-    if is_op(mx, operator.getitem) and mx.args[1] == 0 and is_op(mx.args[0], aten.max.dim):
-        red = mx.args[0]
-        if not (red.args[0] is raw and _norm_dim(raw, red.args[1]) == d and keepdim_of(red)):
-            return logits, []
-        return raw, [logits, mx, red]
-    if is_op(mx, aten.amax.default) and mx.args[0] is raw and keepdim_of(mx) \
-            and _one_dim(raw, mx.args[1]) == d:
-        return raw, [logits, mx]
+    shift = _kept_max(mx)
+    if shift and shift[0] is raw and _one_dim(raw, shift[1]) == d:
+        return raw, [logits, *shift[2]]
     return logits, []
 
 
