@@ -23,7 +23,7 @@ from torch import nn
 import k3fusion
 
 from graph_utils import (CaptureBackend, LoweringBackend, count_op, fresh_state,  # noqa: F401
-                         op_histogram)
+                         nodes_of, op_histogram)
 
 ATTN_RES = torch.ops.k3fusion.attn_res.default
 H = 16
@@ -69,6 +69,12 @@ MUTATIONS = {
     "max_softmax": True,            # max.dim's values over the source dim: a softmax
     "max_softmax_other_dim": False,  # the max over another dim: a shift that varies by source
     "max_softmax_indices": False,   # the max's indices also returned
+    # the sources stacked as a list for the keys and stacked again for the mix
+    "restacked": True,              # the same items in the same order: the same sources
+    "restacked_reordered": False,   # the mix's stack in the reverse order
+    "restacked_other_source": False,  # the oldest item replaced by a slot the keys do not read
+    "restacked_repeated": False,    # the newest item in place of the oldest (one missing)
+    "restacked_missing": False,     # the newest item alone, broadcast over the weights
 }
 #: mutations that only the matrix-vector spelling can make
 MATVEC_ONLY = {"rows_misread", "query_activation", "logits_fp16", "query_scalar",
@@ -77,9 +83,11 @@ MATVEC_ONLY = {"rows_misread", "query_activation", "logits_fp16", "query_scalar"
 MOVED_ONLY = {"moved_other_dims"}
 #: mutations that a stack of explicit items still computes as AttnRes over those items
 STACK_KEEPS = {"slice_step", "slice_start"}
-#: a softmax written with max(...).values, with its near misses: tested in every spelling
-#: and dtype below, beside the draws
+#: a softmax written with max(...).values and a second stack of the sources, each with
+#: its near misses: tested in every spelling and dtype below, beside the draws
 SOFTMAX_MAX = ["max_softmax", "max_softmax_other_dim", "max_softmax_indices"]
+RESTACKED = ["restacked", "restacked_reordered", "restacked_other_source", "restacked_repeated",
+             "restacked_missing"]
 
 
 #: ATTN_RES_MUTATIONS=a,b narrows the draw (a developer's knob, e.g. to replay a class of
@@ -123,6 +131,23 @@ class Site(nn.Module):
         to = torch.float16 if m == "keys_fp16" else V.dtype
         return w.to(to) * normed.to(to)
 
+    def restacked(self, bank, blocks, prefix):
+        """The sources as a list stacked for the keys, and that list stacked again for the
+        mix (two stack nodes; mutated: another order, another tensor, a source twice, one
+        source alone)."""
+        m, moved = self.mutation, self.spelling == "moved"
+        item_dim = -2 if self.spelling == "sources_last" else 0
+        items = list(blocks.unbind(item_dim)) + [prefix]
+        mixed = {"restacked": items, "restacked_reordered": items[::-1],
+                 # (the bank's last slot: never one of the blocks)
+                 "restacked_other_source": [bank.select(item_dim, -1)] + items[1:],
+                 "restacked_repeated": [prefix] + items[1:], "restacked_missing": [prefix]}[m]
+
+        def stack(xs):
+            stacked = torch.stack(xs, item_dim)
+            return stacked.movedim(0, -2) if moved else stacked
+        return stack(items), stack(mixed)
+
     def max_softmax(self, logits, ld, other):
         """The softmax written out with ``max(...).values`` -> (p, the max's indices);
         mutated: the max over ``other``, not the softmax's dim ``ld``."""
@@ -157,6 +182,9 @@ class Site(nn.Module):
             else:
                 blocks = bank[..., :n, :]
             V = torch.cat([blocks, prefix.unsqueeze(-2)], -2)
+        V_mix = V  # what the mix reads: the keys' sources, or their second stack
+        if m in RESTACKED:
+            V, V_mix = self.restacked(bank, blocks, prefix)
         K = self.keys(V)
         if self.spelling == "matvec":
             q = V.mean((0, 1, 2)) if m == "query_activation" else self.proj.weight.squeeze()
@@ -208,9 +236,9 @@ class Site(nn.Module):
             if m in ("mix_other_dim", "keepdim"):
                 out = (p.unsqueeze(-1) * V).sum(mix_dim, keepdim=m == "keepdim")
             else:
-                out = torch.einsum("n b t, n b t d -> b t d", p, V)
+                out = torch.einsum("n b t, n b t d -> b t d", p, V_mix)
         else:
-            out = (p.unsqueeze(-1) * V).sum(mix_dim, keepdim=m == "keepdim")
+            out = (p.unsqueeze(-1) * V_mix).sum(mix_dim, keepdim=m == "keepdim")
         if m == "mix_fp32":
             out = (p.float().unsqueeze(-1) * V.float()).sum(sd)
         if m == "max_softmax_indices":
@@ -261,8 +289,8 @@ def test_keys_and_logits_in_other_spellings(spelling, dtype, mutation):
 
 SPELLINGS = ["sources_last", "sources_first", "matvec", "moved"]
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-_MAX, _AMAX, _EXP = (torch.ops.aten.max.dim, torch.ops.aten.amax.default,
-                     torch.ops.aten.exp.default)
+_CAT, _MAX, _AMAX, _EXP = (torch.ops.aten.cat.default, torch.ops.aten.max.dim,
+                           torch.ops.aten.amax.default, torch.ops.aten.exp.default)
 
 
 @pytest.mark.usefixtures("fresh_state")
@@ -284,6 +312,31 @@ def test_softmax_written_with_max(spelling, dtype, mutation):
 @pytest.mark.parametrize("tokens", [0, 1, 5])
 def test_softmax_written_with_max_lowers(tokens):
     check_lowering("max_softmax", tokens)
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@DTYPES
+@pytest.mark.parametrize("mutation", RESTACKED)
+def test_sources_stacked_again_for_the_mix(spelling, dtype, mutation):
+    """``torch.stack(items)`` for the keys and a second ``torch.stack(items)`` for the mix
+    fuse as one stack does: one site, its softmax gone, and neither stack left (only the
+    op's own stack of the blocks). The second stack in another order, with another tensor,
+    with a source twice, or of one source alone stays as it was and equal to eager."""
+    n = 2
+    be = check_site(spelling, mutation, n, 3, dtype, seed=3, grad=False)
+    assert k3fusion.match_counts()["attn_res"] == int(MUTATIONS[mutation])
+    if MUTATIONS[mutation]:
+        assert sorted(len(c.args[0]) for c in nodes_of(be.graph_before, _CAT)) == [n + 1] * 2
+        (call,) = nodes_of(be.graph_after, ATTN_RES)
+        assert nodes_of(be.graph_after, _CAT) == [call.args[1]]  # the op's stack of the blocks
+        assert len(call.args[1].args[0]) == n and count_op(be.graph_after, _EXP) == 0
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("tokens", [0, 1, 5])
+def test_sources_stacked_again_lower(tokens):
+    check_lowering("restacked", tokens)
 
 
 def check_lowering(mutation, tokens):
