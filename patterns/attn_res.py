@@ -106,17 +106,48 @@ def _one_dim(node: Node, dims) -> int:
     return _norm_dim(node, dims[0])
 
 
+#: Pure ops a traced graph may compute twice from the same inputs (besides the layout
+#: ops): a cast, a slice (``bank[:n + 1]`` repeated), and a cat -- ``torch.stack(sources)``
+#: written once for the keys and again for the mix lowers to two cats of the same items.
+_REPEATABLE = (_CAST, aten.slice.Tensor, aten.cat.default)
+
+
 def _same_value(a: object, b: object, depth: int = 4) -> bool:
     """``a`` and ``b`` compute the same tensor: the same node, or the same pure view /
-    cast / slice op of the same inputs (a traced graph repeats ``bank[:n + 1]``)."""
+    cast / slice / cat op of the same inputs (lists compared item by item, in order)."""
     if a is b:
         return True
     if not (depth and isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "call_function"
             and a.target is b.target and a.kwargs == b.kwargs and len(a.args) == len(b.args)
-            and (a.target in LAYOUT_OPS or a.target in (_CAST, aten.slice.Tensor))):
+            and (a.target in LAYOUT_OPS or a.target in _REPEATABLE)):
         return False
-    return all(_same_value(x, y, depth - 1) if isinstance(x, Node) else x == y
-               for x, y in zip(a.args, b.args))
+    return all(_same_arg(x, y, depth - 1) for x, y in zip(a.args, b.args))
+
+
+def _same_arg(x: object, y: object, depth: int) -> bool:
+    """One argument of :func:`_same_value`'s ops: nodes by value, a cat's list of items
+    item by item (same length, same order), anything else by equality."""
+    if isinstance(x, Node):
+        return _same_value(x, y, depth)
+    if isinstance(x, (list, tuple)):
+        return (isinstance(y, (list, tuple)) and len(x) == len(y)
+                and all(_same_arg(a, b, depth) for a, b in zip(x, y)))
+    return not isinstance(y, Node) and x == y
+
+
+def _repeat_nodes(copy: object, original: object) -> list[Node]:
+    """The nodes of ``copy`` that repeat ``original``'s (:func:`_same_value` holds), down to
+    the nodes both read: they go with the site (a second stack is dead once it is fused)."""
+    if copy is original or not isinstance(copy, Node):
+        return []
+    found = [copy]
+    for x, y in zip(copy.args, original.args):
+        if isinstance(x, (list, tuple)):
+            for a, b in zip(x, y):
+                found += _repeat_nodes(a, b)
+        else:
+            found += _repeat_nodes(x, y)
+    return found
 
 
 def _softmax(div: Node) -> tuple[Node, int, list[Node]]:
@@ -152,15 +183,28 @@ def _softmax(div: Node) -> tuple[Node, int, list[Node]]:
             raise NoMatch("not a softmax denominator")
         d = _one_dim(exp, denom.args[1])
         of = scaled[0] if scaled else logits  # the scaled form's max is of l * 1
-        if not (is_op(amax, aten.amax.default) and amax.args[0] is of and keepdim_of(amax)
-                and _one_dim(logits, amax.args[1]) == d):
-            raise NoMatch("softmax without amax over its own dim")
-        nodes = scaled + [amax, sub, exp, denom, div]
+        shift = _kept_max(amax)
+        if not (shift and shift[0] is of and _one_dim(logits, shift[1]) == d):
+            raise NoMatch("softmax without a max over its own dim")
+        nodes = scaled + shift[2] + [sub, exp, denom, div]
     if dtype_of(logits) != torch.float32:
         raise NoMatch(f"softmax in {dtype_of(logits)}, not float32")
     if dtype_of(div) != torch.float32 or val(div).shape != val(logits).shape:
         raise NoMatch("softmax result is not the logits' shape in float32")
     return logits, d, nodes
+
+
+def _kept_max(node: object) -> tuple[Node, list, list[Node]] | None:
+    """``amax(x, dims, keepdim=True)``, or ``x.max(d, keepdim=True).values`` (``max.dim``,
+    whose indices nothing else reads: a module that also uses them needs the reduction)
+    -> (x, dims, nodes); None for anything else."""
+    if is_op(node, aten.amax.default) and keepdim_of(node):
+        return node.args[0], node.args[1], [node]
+    if is_op(node, operator.getitem) and node.args[1] == 0:
+        red = node.args[0]
+        if is_op(red, aten.max.dim) and keepdim_of(red) and users(red) == [node]:
+            return red.args[0], [red.args[1]], [node, red]
+    return None
 
 
 def _times_one(node: object) -> Node | None:
@@ -235,14 +279,9 @@ def _minus_max(logits: Node, d: int) -> tuple[Node, list[Node]]:
     raw, mx = logits.args
     if not isinstance(raw, Node) or val(logits).shape != val(raw).shape:
         return logits, []
-    if is_op(mx, operator.getitem) and mx.args[1] == 0 and is_op(mx.args[0], aten.max.dim):
-        red = mx.args[0]
-        if not (red.args[0] is raw and _norm_dim(raw, red.args[1]) == d and keepdim_of(red)):
-            return logits, []
-        return raw, [logits, mx, red]
-    if is_op(mx, aten.amax.default) and mx.args[0] is raw and keepdim_of(mx) \
-            and _one_dim(raw, mx.args[1]) == d:
-        return raw, [logits, mx]
+    shift = _kept_max(mx)
+    if shift and shift[0] is raw and _one_dim(raw, shift[1]) == d:
+        return raw, [logits, *shift[2]]
     return logits, []
 
 
@@ -614,10 +653,11 @@ def _is_source(operand: object, sources: Node, x32: Node) -> list[Node]:
         pass
     for ref in (sources, x32):
         if _same_value(operand, ref):
-            return [operand] if operand is not ref else []
+            return _repeat_nodes(operand, ref)
     if is_op(operand, _CAST) and operand.args[1] == torch.float32 \
             and _same_value(operand.args[0], sources):
-        return [operand, operand.args[0]]
+        inner = operand.args[0]
+        return [operand] + (_repeat_nodes(inner, sources) if inner is not sources else [inner])
     raise NoMatch("softmax weights do not scale the sources")
 
 
@@ -690,7 +730,8 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
     views = [product]  # the product and the single-user views after it
     while is_op(only_user_or_none(views[-1]), *LAYOUT_OPS):
         views.append(only_user(views[-1]))
-    sides = _operand_layouts(product, stops={sources, x32})
+    stops = {sources, x32, *_repeated_sources(product, sources, x32)}
+    sides = _operand_layouts(product, stops=stops)
     div_like = p.args[0] if chain else p
     r = val(sources).dim()
     named = {}  # atoms of p's and the sources' dims, in the sources' dim numbering
@@ -734,6 +775,20 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
         raise NoMatch("the contraction's result is not the sources' layout without the source dim")
     extra = [] if va is sources or va is x32 else _is_source(va, sources, x32)
     return total, chain + pc + vc + [product] + out_chain + extra
+
+
+def _repeated_sources(product: Node, sources: Node, x32: Node) -> list[Node]:
+    """Repeats of the sources on the views into ``product`` (the mix's own
+    ``torch.stack(sources)``): the layout walk stops there as at the sources, whose dims
+    they have (walking on, a dim-0 stack's view of its cat splits a dim)."""
+    found = []
+    for x in product.args[:2]:
+        while is_op(x, *LAYOUT_OPS):
+            if _same_value(x, sources) or _same_value(x, x32):
+                found.append(x)
+                break
+            x = x.args[0]
+    return found
 
 
 def only_user_or_none(node: Node):

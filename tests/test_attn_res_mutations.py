@@ -22,7 +22,8 @@ from torch import nn
 
 import k3fusion
 
-from graph_utils import CaptureBackend, count_op, fresh_state, op_histogram  # noqa: F401
+from graph_utils import (CaptureBackend, LoweringBackend, count_op, fresh_state,  # noqa: F401
+                         nodes_of, op_histogram)
 
 ATTN_RES = torch.ops.k3fusion.attn_res.default
 H = 16
@@ -64,6 +65,16 @@ MUTATIONS = {
     "float_product": True,          # K.float() @ w.float().squeeze(): the product in fp32
     # the moved stack's own (stack(items).movedim(0, -2))
     "moved_other_dims": False,      # the stack permuted to [T, B, S, H]: tokens and batch swap
+    # softmax written out: exp(l - l.max(d, keepdim=True).values) / sum(..., d)
+    "max_softmax": True,            # max.dim's values over the source dim: a softmax
+    "max_softmax_other_dim": False,  # the max over another dim: a shift that varies by source
+    "max_softmax_indices": False,   # the max's indices also returned
+    # the sources stacked as a list for the keys and stacked again for the mix
+    "restacked": True,              # the same items in the same order: the same sources
+    "restacked_reordered": False,   # the mix's stack in the reverse order
+    "restacked_other_source": False,  # the oldest item replaced by a slot the keys do not read
+    "restacked_repeated": False,    # the newest item in place of the oldest (one missing)
+    "restacked_missing": False,     # the newest item alone, broadcast over the weights
 }
 #: mutations that only the matrix-vector spelling can make
 MATVEC_ONLY = {"rows_misread", "query_activation", "logits_fp16", "query_scalar",
@@ -72,6 +83,11 @@ MATVEC_ONLY = {"rows_misread", "query_activation", "logits_fp16", "query_scalar"
 MOVED_ONLY = {"moved_other_dims"}
 #: mutations that a stack of explicit items still computes as AttnRes over those items
 STACK_KEEPS = {"slice_step", "slice_start"}
+#: a softmax written with max(...).values and a second stack of the sources, each with
+#: its near misses: tested in every spelling and dtype below, beside the draws
+SOFTMAX_MAX = ["max_softmax", "max_softmax_other_dim", "max_softmax_indices"]
+RESTACKED = ["restacked", "restacked_reordered", "restacked_other_source", "restacked_repeated",
+             "restacked_missing"]
 
 
 #: ATTN_RES_MUTATIONS=a,b narrows the draw (a developer's knob, e.g. to replay a class of
@@ -115,6 +131,31 @@ class Site(nn.Module):
         to = torch.float16 if m == "keys_fp16" else V.dtype
         return w.to(to) * normed.to(to)
 
+    def restacked(self, bank, blocks, prefix):
+        """The sources as a list stacked for the keys, and that list stacked again for the
+        mix (two stack nodes; mutated: another order, another tensor, a source twice, one
+        source alone)."""
+        m, moved = self.mutation, self.spelling == "moved"
+        item_dim = -2 if self.spelling == "sources_last" else 0
+        items = list(blocks.unbind(item_dim)) + [prefix]
+        mixed = {"restacked": items, "restacked_reordered": items[::-1],
+                 # (the bank's last slot: never one of the blocks)
+                 "restacked_other_source": [bank.select(item_dim, -1)] + items[1:],
+                 "restacked_repeated": [prefix] + items[1:], "restacked_missing": [prefix]}[m]
+
+        def stack(xs):
+            stacked = torch.stack(xs, item_dim)
+            return stacked.movedim(0, -2) if moved else stacked
+        return stack(items), stack(mixed)
+
+    def max_softmax(self, logits, ld, other):
+        """The softmax written out with ``max(...).values`` -> (p, the max's indices);
+        mutated: the max over ``other``, not the softmax's dim ``ld``."""
+        top = logits.max(dim=other if self.mutation == "max_softmax_other_dim" else ld,
+                         keepdim=True)
+        e = (logits - top.values).exp()
+        return e / e.sum(dim=ld, keepdim=True), top.indices
+
     def forward(self, bank, prefix):
         m, n = self.mutation, self.n
         first = self.spelling in ("sources_first", "matvec")
@@ -141,6 +182,9 @@ class Site(nn.Module):
             else:
                 blocks = bank[..., :n, :]
             V = torch.cat([blocks, prefix.unsqueeze(-2)], -2)
+        V_mix = V  # what the mix reads: the keys' sources, or their second stack
+        if m in RESTACKED:
+            V, V_mix = self.restacked(bank, blocks, prefix)
         K = self.keys(V)
         if self.spelling == "matvec":
             q = V.mean((0, 1, 2)) if m == "query_activation" else self.proj.weight.squeeze()
@@ -178,11 +222,13 @@ class Site(nn.Module):
             logits = logits + torch.linspace(-1, 0, logits.shape[-1])
         if m == "minus_max":
             logits = logits - logits.max(dim=ld, keepdim=True).values
+        other = 1 if first else -2  # a dim of the logits other than the sources'
         if m == "sink":
             sink = torch.zeros_like(logits.narrow(ld, 0, 1))
             p = torch.cat([logits, sink], ld).softmax(ld).narrow(ld, 0, logits.shape[ld])
+        elif m in SOFTMAX_MAX:
+            p, indices = self.max_softmax(logits, ld, other)
         else:
-            other = 1 if first else -2
             p = logits.softmax(other if m == "softmax_other_dim" else ld)
         p = p.to(V.dtype)
         mix_dim = (1 if first else -3) if m == "mix_other_dim" else sd
@@ -190,11 +236,13 @@ class Site(nn.Module):
             if m in ("mix_other_dim", "keepdim"):
                 out = (p.unsqueeze(-1) * V).sum(mix_dim, keepdim=m == "keepdim")
             else:
-                out = torch.einsum("n b t, n b t d -> b t d", p, V)
+                out = torch.einsum("n b t, n b t d -> b t d", p, V_mix)
         else:
-            out = (p.unsqueeze(-1) * V).sum(mix_dim, keepdim=m == "keepdim")
+            out = (p.unsqueeze(-1) * V_mix).sum(mix_dim, keepdim=m == "keepdim")
         if m == "mix_fp32":
             out = (p.float().unsqueeze(-1) * V.float()).sum(sd)
+        if m == "max_softmax_indices":
+            return out, indices
         if m == "leak_logits":
             return out, logits
         if m == "leak_keys":
@@ -239,7 +287,72 @@ def test_keys_and_logits_in_other_spellings(spelling, dtype, mutation):
     check_site(spelling, mutation, 2, 3, dtype, seed=5, grad=False)
 
 
-def check_site(spelling, mutation, n, tokens, dtype, seed, grad):
+SPELLINGS = ["sources_last", "sources_first", "matvec", "moved"]
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+_CAT, _MAX, _AMAX, _EXP = (torch.ops.aten.cat.default, torch.ops.aten.max.dim,
+                           torch.ops.aten.amax.default, torch.ops.aten.exp.default)
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@DTYPES
+@pytest.mark.parametrize("mutation", SOFTMAX_MAX)
+def test_softmax_written_with_max(spelling, dtype, mutation):
+    """``e = (l - l.max(d, keepdim=True).values).exp(); e / e.sum(d, keepdim=True)`` fuses
+    as ``softmax(l, d)`` does: one site, its max and exp gone. The max over another dim,
+    or with its indices also returned, stays as it was and equal to eager (check_site)."""
+    be = check_site(spelling, mutation, 2, 3, dtype, seed=3, grad=False)
+    assert k3fusion.match_counts()["attn_res"] == int(MUTATIONS[mutation])
+    assert (count_op(be.graph_before, _MAX), count_op(be.graph_before, _AMAX)) == (1, 0)
+    if MUTATIONS[mutation]:
+        assert [count_op(be.graph_after, op) for op in (_MAX, _AMAX, _EXP)] == [0, 0, 0]
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("tokens", [0, 1, 5])
+def test_softmax_written_with_max_lowers(tokens):
+    check_lowering("max_softmax", tokens)
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@DTYPES
+@pytest.mark.parametrize("mutation", RESTACKED)
+def test_sources_stacked_again_for_the_mix(spelling, dtype, mutation):
+    """``torch.stack(items)`` for the keys and a second ``torch.stack(items)`` for the mix
+    fuse as one stack does: one site, its softmax gone, and neither stack left (only the
+    op's own stack of the blocks). The second stack in another order, with another tensor,
+    with a source twice, or of one source alone stays as it was and equal to eager."""
+    n = 2
+    be = check_site(spelling, mutation, n, 3, dtype, seed=3, grad=False)
+    assert k3fusion.match_counts()["attn_res"] == int(MUTATIONS[mutation])
+    if MUTATIONS[mutation]:
+        assert sorted(len(c.args[0]) for c in nodes_of(be.graph_before, _CAT)) == [n + 1] * 2
+        (call,) = nodes_of(be.graph_after, ATTN_RES)
+        assert nodes_of(be.graph_after, _CAT) == [call.args[1]]  # the op's stack of the blocks
+        assert len(call.args[1].args[0]) == n and count_op(be.graph_after, _EXP) == 0
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("tokens", [0, 1, 5])
+def test_sources_stacked_again_lower(tokens):
+    check_lowering("restacked", tokens)
+
+
+def check_lowering(mutation, tokens):
+    """``mutation``'s site through Inductor's lowering and codegen, sources-first (the
+    einsum mix) in bf16, as served."""
+    # (at T 0 Inductor may fold the zero-size chain away before the pass: output only)
+    be = check_site("sources_first", mutation, 2, tokens, torch.bfloat16, seed=3, grad=False,
+                    lowering=True, check_fusion=tokens > 0)
+    assert be.lowered == 1
+
+
+def check_site(spelling, mutation, n, tokens, dtype, seed, grad, lowering=False,
+               check_fusion=True):
+    """-> the backend. ``lowering``: compiled through Inductor's lowering and codegen too;
+    ``check_fusion=False``: the output only (a zero-size site, which Inductor may fold
+    away before the pass runs)."""
     torch._dynamo.reset()
     k3fusion.reset_match_counts()
     m = Site(spelling, mutation, n).to(dtype)
@@ -251,15 +364,17 @@ def check_site(spelling, mutation, n, tokens, dtype, seed, grad):
     with torch.no_grad():
         expected = m(bank, prefix)
     with contextlib.nullcontext() if grad else torch.no_grad():
-        be = CaptureBackend()
+        be = LoweringBackend() if lowering else CaptureBackend()
         out = torch.compile(m, backend=be, dynamic=False, fullgraph=True)(bank, prefix)
-    fused = count_op(be.graph_after, ATTN_RES)
     outs = out if isinstance(out, tuple) else (out,)
     exps = expected if isinstance(expected, tuple) else (expected,)
     # (separate asserts: hypothesis reports a misfire and a miss as two bugs)
     assert [tuple(a.shape) for a in outs] == [tuple(b.shape) for b in exps], "output shape"
     for a, b in zip(outs, exps):
         torch.testing.assert_close(a.detach().float(), b.float(), **_bound(dtype))
+    if not check_fusion:
+        return be
+    fused = count_op(be.graph_after, ATTN_RES)
     keeps = (MUTATIONS[mutation] or (mutation == "mix_fp32" and dtype == torch.float32)
              or (spelling == "moved" and mutation in STACK_KEEPS))
     if keeps:  # (an fp32 mix of an fp32 model is no mutation)
@@ -268,3 +383,4 @@ def check_site(spelling, mutation, n, tokens, dtype, seed, grad):
         assert fused == 0, f"misfire: {mutation} changes the semantics but was fused"
     if not fused:  # left as it was: what Inductor compiles is default Inductor's graph
         assert op_histogram(be.graph_after) == op_histogram(be.graph_before), mutation
+    return be
