@@ -158,13 +158,24 @@ def _softmax(div: Node) -> tuple[Node, int, list[Node]]:
     if not is_op(exp, aten.exp.default):
         raise NoMatch("not a softmax numerator")
     sub = exp.args[0]
-    scaled: list[Node] = []  # Inductor's form of softmax(l * 1), when it is one
+    # Inductor's forms of softmax(l * 1): the where-form (torch 2.13+); torch 2.11 writes
+    # its first branch alone, (l * 1 - amax(l * 1)) * 1
+    outer, scaled = _unit_stripped(sub)
+    if is_op(outer, aten.where.self, aten.sub.Tensor):
+        sub = outer
+    else:
+        scaled = []
     if is_op(sub, aten.where.self):
-        logits, amax, scaled = _unit_scaled_shift(sub)
+        logits, amax, branches = _unit_scaled_shift(sub)
+        of, scaled = branches[0], branches + scaled  # the max is of l * 1
+    elif is_op(sub, _MUL) and is_op(sub.args[0], aten.where.self, aten.sub.Tensor):
+        raise NoMatch("softmax of scaled logits (a temperature)")
     elif not (is_op(sub, aten.sub.Tensor) and sub.kwargs.get("alpha", 1) == 1):
         raise NoMatch("softmax without max subtraction")
     else:
-        logits, amax = sub.args
+        of, amax = sub.args
+        logits, unit = _unit_stripped(of)
+        scaled += unit
     if not isinstance(logits, Node) or val(sub).shape != val(logits).shape:
         raise NoMatch("softmax subtracts a broadcast value")
     if scaled and not is_op(denom, aten.sum.dim_IntList):
@@ -182,7 +193,6 @@ def _softmax(div: Node) -> tuple[Node, int, list[Node]]:
                 and keepdim_of(denom) and denom.kwargs.get("dtype") is None):
             raise NoMatch("not a softmax denominator")
         d = _one_dim(exp, denom.args[1])
-        of = scaled[0] if scaled else logits  # the scaled form's max is of l * 1
         shift = _kept_max(amax)
         if not (shift and shift[0] is of and _one_dim(logits, shift[1]) == d):
             raise NoMatch("softmax without a max over its own dim")
@@ -214,6 +224,15 @@ def _times_one(node: object) -> Node | None:
             and node.args[1] == 1):
         return node.args[0]
     return None
+
+
+def _unit_stripped(node: object) -> tuple[object, list[Node]]:
+    """``node`` read through exact ``* 1`` / ``/ 1`` ops -> (what they multiply, the ops)."""
+    ops = []
+    while (inner := _times_one(node)) is not None:
+        ops.append(node)
+        node = inner
+    return node, ops
 
 
 def _unit_free(node: object) -> tuple[object, list[Node]]:

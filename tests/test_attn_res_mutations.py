@@ -69,6 +69,9 @@ MUTATIONS = {
     "max_softmax": True,            # max.dim's values over the source dim: a softmax
     "max_softmax_other_dim": False,  # the max over another dim: a shift that varies by source
     "max_softmax_indices": False,   # the max's indices also returned
+    # softmax(l * s) as torch 2.11 decomposes it: exp((l * 1 - amax(l * 1)) * s) / sum(...)
+    "unit_scale_written": True,     # s = 1.0: exactly softmax(l)
+    "scale_written": False,         # s = 0.5: a temperature
     # the sources stacked as a list for the keys and stacked again for the mix
     "restacked": True,              # the same items in the same order: the same sources
     "restacked_reordered": False,   # the mix's stack in the reverse order
@@ -86,6 +89,9 @@ STACK_KEEPS = {"slice_step", "slice_start"}
 #: a softmax written with max(...).values and a second stack of the sources, each with
 #: its near misses: tested in every spelling and dtype below, beside the draws
 SOFTMAX_MAX = ["max_softmax", "max_softmax_other_dim", "max_softmax_indices"]
+#: softmax(l * s) written as torch 2.11 decomposes it (its where-guard dropped), with and
+#: without a temperature: likewise
+SCALE_WRITTEN = ["unit_scale_written", "scale_written"]
 RESTACKED = ["restacked", "restacked_reordered", "restacked_other_source", "restacked_repeated",
              "restacked_missing"]
 
@@ -228,6 +234,11 @@ class Site(nn.Module):
             p = torch.cat([logits, sink], ld).softmax(ld).narrow(ld, 0, logits.shape[ld])
         elif m in SOFTMAX_MAX:
             p, indices = self.max_softmax(logits, ld, other)
+        elif m in SCALE_WRITTEN:
+            signed = logits * 1
+            e = ((signed - signed.amax(ld, keepdim=True))
+                 * (1.0 if m == "unit_scale_written" else 0.5)).exp()
+            p = e / e.sum(ld, keepdim=True)
         else:
             p = logits.softmax(other if m == "softmax_other_dim" else ld)
         p = p.to(V.dtype)
@@ -312,6 +323,28 @@ def test_softmax_written_with_max(spelling, dtype, mutation):
 @pytest.mark.parametrize("tokens", [0, 1, 5])
 def test_softmax_written_with_max_lowers(tokens):
     check_lowering("max_softmax", tokens)
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@DTYPES
+@pytest.mark.parametrize("mutation", SCALE_WRITTEN)
+def test_softmax_scaled_as_torch_2_11_writes_it(spelling, dtype, mutation):
+    """torch 2.11 rewrites ``softmax(l * s)`` for a constant ``s > 0`` as ``e = exp((l * 1 -
+    amax(l * 1)) * s); e / sum(e)`` (later versions guard it with a where). With ``s = 1``
+    that is ``softmax(l)``: one site, its amax and exp gone; with ``s = 0.5`` a temperature,
+    left as it was and equal to eager."""
+    be = check_site(spelling, mutation, 2, 3, dtype, seed=3, grad=False)
+    assert k3fusion.match_counts()["attn_res"] == int(MUTATIONS[mutation])
+    assert count_op(be.graph_before, _AMAX) >= 1  # (torch 2.13+ guards its rewrite: two)
+    if MUTATIONS[mutation]:
+        assert [count_op(be.graph_after, op) for op in (_AMAX, _EXP)] == [0, 0]
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("tokens", [0, 1, 5])
+def test_softmax_scaled_as_torch_2_11_writes_it_lowers(tokens):
+    check_lowering("unit_scale_written", tokens)
 
 
 @pytest.mark.usefixtures("fresh_state")
