@@ -90,14 +90,16 @@ TILE_MAX_PER_THREAD = 192
 #: docs/experiments.md#2026-12-03-the-block-count-as-a-constexpr; the prefill rows the
 #: 2026-12-02 run: docs/experiments.md#2026-12-02-the-launch-selection-run-issue-20, with
 #: the rows of 256-724 / 256-362 tokens and H 2048's from 363 the 2026-12-03 prefill run:
-#: docs/experiments.md#2026-12-03-prefill-rows-against-the-public-kernel-issue-30).
+#: docs/experiments.md#2026-12-03-prefill-rows-against-the-public-kernel-issue-30; the
+#: trigger suffixes the 2026-12-05 probe: docs/experiments.md#2026-12-05-pdls-trigger-per-row).
 #: Keyed by the most bytes of a padded row (``next_power_of_2(H) * element size``, so fp32
 #: at H 2048 takes bf16's H 4096 row: the same bytes per thread in flight, half the
 #: registers); rows ``(most tokens, shapes for 0, 1, ..., 8 completed blocks)``, the first
 #: row with ``T <= most tokens`` applies (``None``: any T). Shapes are named as the sweep names them:
 #: ``r<sources per tile>x<warps>`` the row kernel (``e``: first tile early, ``p<N>``:
 #: source loop pipelined N deep), ``solo<warps>`` the split kernel's one program per
-#: token, ``s<chunk>x<warps>`` the split kernel. Wider rows, more blocks, a shape past
+#: token, ``s<chunk>x<warps>`` the split kernel; a suffix ``L`` moves PDL's trigger after the
+#: last store, ``N`` launches without PDL (:attr:`LaunchShape.trigger`). Wider rows, more blocks, a shape past
 #: :data:`TILE_MAX_PER_THREAD` or outside the kernels' limits: the rule of
 #: :func:`pick_launch_shape` (``use_table=False``).
 LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
@@ -105,12 +107,13 @@ LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
         (64, "r1x4e solo8 solo8 solo8 r4x4e solo4 solo4 solo8 solo4"),
         (255, "r1x8 solo8 solo8 solo8 solo8 solo4 solo4 solo8 solo8"),
         (362, "r1x4p3 r1x8p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3"),
-        (None, "r1x2p3 r1x8p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3"),
+        (575, "r1x2p3 r1x8p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3"),
+        (None, "r1x2p3L r1x8p3L r1x2p3L r1x2p3L r1x2p3L r1x2p3L r1x2p3L r1x2p3L r1x2p3L"),
     ),
     8 * 1024: (  # bf16/fp16 H <= 4096, fp32 H <= 2048
         (64, "r1x8e solo16 solo16 solo16 r4x8e solo8 solo8 r8x8e solo8"),
         (255, "solo16 solo16 solo16 solo8 solo8 solo8 solo16 solo8 solo8"),
-        (None, "solo16 solo16 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3 r1x4p3"),
+        (None, "solo16L solo16L r1x4p3L r1x4p3L r1x4p3L r1x4p3L r1x4p3L r1x4p3L r1x4p3L"),
     ),
     16 * 1024: (  # bf16/fp16 H <= 8192 (7168), fp32 H <= 4096
         (1, "r1x16e solo8 solo8 solo8 s1024x4 s1024x4 s1024x4 s1024x4 s1024x4"),
@@ -119,7 +122,7 @@ LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
         (32, "r1x16 solo8 solo8 solo16 solo16 solo8 r8x8e s1024x4 s2048x8"),
         (64, "solo16 solo8 solo8 solo16 solo16 solo8 r8x8e solo16 r4x8e"),
         (255, "solo16 solo8 solo16 solo16 solo16 solo16 solo16 r2x8p3 r2x8p3"),
-        (724, "solo8 solo8 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3"),
+        (724, "solo8L solo8L r1x8p3L r1x8p3L r1x8p3L r1x8p3L r1x8p3L r1x8p3L r1x8p3L"),
         (None, "solo16 solo16 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3 r1x8p3"),
     ),
 }

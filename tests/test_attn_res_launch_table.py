@@ -103,24 +103,27 @@ def test_token_buckets_at_their_edges() -> None:
     EARLY_TILE_MAX_TOKENS, the prefill shapes from PREFILL_TOKENS."""
     assert (SPLIT_MAX_TOKENS, EARLY_TILE_MAX_TOKENS, PREFILL_TOKENS) == (12, 64, 256)
     H = 7168
-    assert [name(T, H, 8) for T in (1, 12, 13, 16, 17, 32, 33, 64, 65, 255, 256, 4096)] == \
+    assert [name(T, H, 8) for T in (1, 12, 13, 16, 17, 32, 33, 64, 65, 255, 256, 724, 725,
+                                    4096)] == \
         ["s1024x4"] * 4 + ["s2048x8"] * 2 + ["r4x8e", "r4x8e", "r2x8p3", "r2x8p3",
-                                             "r1x8p3", "r1x8p3"]
+                                             "r1x8p3L", "r1x8p3L", "r1x8p3", "r1x8p3"]
     assert [name(T, H, 6) for T in (12, 16, 17, 64)] == ["s1024x4"] * 2 + ["r8x8e"] * 2
     assert [name(T, H, 0) for T in (1, 12, 13, 32, 33, 64, 65, 255, 256, 724, 725)] == \
-        ["r1x16e", "r1x16e", "r1x16", "r1x16"] + ["solo16"] * 4 + ["solo8", "solo8", "solo16"]
+        ["r1x16e", "r1x16e", "r1x16", "r1x16"] + ["solo16"] * 4 + ["solo8L", "solo8L", "solo16"]
     assert [name(T, H, 4) for T in (1, 2, 12, 13, 64, 65, 255, 256)] == \
-        ["s1024x4", "solo8", "solo8", "solo16", "solo16", "solo16", "solo16", "r1x8p3"]
+        ["s1024x4", "solo8", "solo8", "solo16", "solo16", "solo16", "solo16", "r1x8p3L"]
     H = 2048
-    assert [name(T, H, 8) for T in (1, 64, 65, 255, 256, 362, 363, 4096)] == \
-        ["solo4", "solo4", "solo8", "solo8", "r1x4p3", "r1x4p3", "r1x2p3", "r1x2p3"]
+    assert [name(T, H, 8) for T in (1, 64, 65, 255, 256, 362, 363, 575, 576, 4096)] == \
+        ["solo4", "solo4", "solo8", "solo8", "r1x4p3", "r1x4p3", "r1x2p3", "r1x2p3",
+         "r1x2p3L", "r1x2p3L"]
     assert [name(T, H, 6) for T in (1, 64, 65, 255, 256)] == \
         ["solo4", "solo4", "solo4", "solo4", "r1x4p3"]
-    assert [name(T, H, 1) for T in (256, 4096)] == ["r1x8p3", "r1x8p3"]
+    assert [name(T, H, 1) for T in (256, 575, 576, 4096)] == ["r1x8p3", "r1x8p3", "r1x8p3L",
+                                                              "r1x8p3L"]
     H = 4096
-    assert [name(T, H, 1) for T in (1, 64, 65, 255, 256, 4096)] == ["solo16"] * 6
+    assert [name(T, H, 1) for T in (1, 64, 65, 255, 256, 4096)] == ["solo16"] * 4 + ["solo16L"] * 2
     assert [name(T, H, 8) for T in (1, 64, 65, 255, 256)] == \
-        ["solo8", "solo8", "solo8", "solo8", "r1x4p3"]
+        ["solo8", "solo8", "solo8", "solo8", "r1x4p3L"]
 
 
 def test_fallbacks_to_the_rule() -> None:
@@ -168,6 +171,27 @@ def test_the_table_matches_the_sweeps_it_came_from() -> None:
         assert r["chosen_us"] is not None, r
         assert r["chosen_us"] <= 1.05 * r["best_us"], r
         assert r["chosen_us"] <= 1.03 * r["previous_us"], r
+
+
+#: The H200 probe PDL's trigger per row came from (docs/experiments.md, "2026-12-05: PDL's
+#: trigger per row"): the table's shape timed with the trigger at entry, after the last
+#: store and without PDL, at H 2048 / 4096 / 7168, 0-8 blocks, T 1 to 4096.
+TRIGGER_PROBE = Path(__file__).parent.parent / "docs" / "attn_res_pdl_trigger_probe_2026-12-05.json"
+
+
+def test_the_table_triggers_match_the_probe_they_came_from() -> None:
+    """At every point of the probe, the trigger the table picks (entry or after the last
+    store) took at most 5% more than the better of the two (the sweeps' rule for shapes)
+    -- and the probe timed the shape the table picks there."""
+    points = json.loads(TRIGGER_PROBE.read_text())["points"]
+    assert len(points) == 130
+    for key, p in points.items():
+        H, nb, T = map(int, key.split("/"))
+        shape = pick_launch_shape(T, H, nb)
+        assert p["shape"] == str(replace(shape, trigger="entry")), (key, p["shape"])
+        mine = p["late" if shape.trigger == "exit" else "early"]
+        assert shape.trigger in ("entry", "exit") and mine <= 1.05 * min(p["early"], p["late"]), (
+            key, shape.trigger, p)
 
 
 # ------------------------------------------------------------ every selected shape, run

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -695,7 +696,9 @@ def selection_check(result: dict) -> list[dict]:
     (None where the sweep did not time that shape), the best's and the previous default's."""
     rows = []
     for p in result["points"]:
-        chosen = label(pick_launch_shape(p["T"], p["H"], p["nb"]))
+        # the sweeps chose the shape; PDL's trigger came from its own probe (every shape
+        # they timed triggered at entry)
+        chosen = label(replace(pick_launch_shape(p["T"], p["H"], p["nb"]), trigger="entry"))
         v = p["variants"].get(chosen, {})
         prev = p["variants"].get(previous_default(p["T"], p["H"], p["nb"]), {})
         rows.append({"H": p["H"], "nb": p["nb"], "T": p["T"], "chosen": chosen,
