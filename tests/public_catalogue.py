@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2])
+
 H = 64
 Q_LORA, KV_LORA, ROPE = 48, 32, 16
 LATENT = 40
@@ -57,6 +59,9 @@ class Entry:
     bf16: tuple[dict[str, int], list[int], str] | None = None
     #: what differs compiled with ``dynamic=True`` (matches per fusion), with the reason
     dynamic: tuple[dict[str, int], str] | None = None
+    #: the first torch (major, minor) whose ``dynamic=True`` graph differs (before it, the
+    #: static counts)
+    dynamic_from: tuple[int, int] = (0, 0)
 
     def expected(self, dtype: torch.dtype,
                  dynamic: bool = False) -> tuple[dict[str, int], list[int]]:
@@ -65,7 +70,7 @@ class Entry:
         fused, blocks = self.fused, self.attn_res_blocks
         if dtype != torch.float32 and self.bf16 is not None:
             fused, blocks = self.bf16[0], self.bf16[1]
-        if dynamic and self.dynamic is not None:
+        if dynamic and self.dynamic is not None and _TORCH >= self.dynamic_from:
             fused, blocks = self.dynamic[0], []
         return ({f: fused.get(f, 0) for f in ("qkv_rmsnorm", "attn_res", "moe_tail")},
                 sorted(blocks))
@@ -1623,7 +1628,10 @@ ENTRIES: list[Entry] = [
           "query multiplied in and summed, softmax of scores * 1.0 (Inductor's scaled-softmax "
           "form), weighted-sum mix over dim 0", {ATTN: 4}, attn_res_blocks=[0, 1, 2, 3],
           dynamic=({ATTN: 0}, "dynamic=True lifts the float scale to a graph input: a "
-                   "temperature whose value the compile cannot see, which the op does not take")),
+                   "temperature whose value the compile cannot see, which the op does not take"),
+          # torch 2.11 specializes the float (its value is in the graph: fused, exact);
+          # 2.12 not checked
+          dynamic_from=(2, 13)),
     Entry("catswe_paper_form", _src("catswe/flash-attention-residuals",
                                     "src/flash_attn_res/experimental/torch.py",
                                     "6e285e854b956f5662ca312546df3fe18cf8ce73"),
