@@ -9,7 +9,8 @@ so Inductor compiles default Inductor's graph there. The sites sit side by side 
 module (each with its own parameters and inputs): one compile per catalogue and token
 count covers them all. Fusion counts are the mutation tests' business: side by side, two
 region-input norms of different sites may pair, which is fine here -- whatever is
-rewritten must compile and compute eager's values.
+rewritten must compile and compute eager's values. The mutation tests compile their draws
+through ``CaptureBackend`` only (no lowering): this file lowers their sites.
 """
 
 from __future__ import annotations
