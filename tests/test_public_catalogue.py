@@ -2,7 +2,8 @@
 fuses exactly the sites a correct pass fuses -- the right pairs, the right tails, AttnRes
 sites over the right number of blocks -- and nothing of a near relative; the compiled
 output is no less accurate than eager against an fp64 copy; and no entry fails to compile
-through Inductor's lowering and code generation at T = 0, 1 and 64, static and dynamic."""
+through Inductor's lowering and code generation at T = 0 and 1 (static) and at a dynamic T
+(64)."""
 
 from __future__ import annotations
 
@@ -126,14 +127,21 @@ GROUPS = {f"{kind}{'-restarts' if restarts else ''}{i // GROUP}": (kind, part[i:
           for i in range(0, len(part), GROUP)}
 
 
-@pytest.mark.parametrize("tokens,dynamic", [(64, False), (1, False), (0, False), (64, True)],
-                         ids=["T64", "T1", "T0", "T64-dynamic"])
+@pytest.mark.parametrize("tokens,dynamic", [(1, False), (0, False), (64, True)],
+                         ids=["T1", "T0", "T64-dynamic"])
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_entries_compile_at_any_token_count(group, tokens, dynamic):
     """Lowering and codegen for real (``LoweringBackend``) in bf16, the entries with a
     fusion of one kind side by side in one graph per group (one compile per token count;
     the near relatives fuse nothing, so the graph Inductor compiles for them is its own);
-    the output equals eager's within bf16 rounding of the fused sums."""
+    the output equals eager's within bf16 rounding of the fused sums.
+
+    Token counts: decode (1: size-1 dims, its own views and layouts), none (0: zero-size
+    buffers) and any (a dynamic T, hinted at 64: lowering on symbolic sizes). A static
+    compile at a general T (it was T = 64 too, until 2026-12-05) is the fused graph of
+    ``test_entry_fuses_its_sites_and_is_as_accurate_as_eager`` (T = 5, fp32 and bf16,
+    Inductor's passes for real: the same sites by name, no less accurate than eager),
+    lowered here at T = 1 and at the dynamic T."""
     kind, entries = GROUPS[group]
     models = [e.build().eval().to(torch.bfloat16) for e in entries]
     args = [e.inputs(tokens, torch.bfloat16) for e in entries]
