@@ -10,7 +10,11 @@ import sys
 
 import pytest
 
-__all__ = ["run_compile_script", "hopper_ptx", "assert_pdl_order"]
+__all__ = ["run_compile_script", "hopper_ptx", "hopper_ptxs", "assert_pdl_order", "SEPARATOR"]
+
+#: printed between the PTX of two compiles of one script (one interpreter start, about 2 s
+#: of importing torch and triton, for several compiles)
+SEPARATOR = "//// next compile ////"
 
 
 def run_compile_script(script: str, what: str, timeout_s: float = 300.0) -> str:
@@ -34,22 +38,34 @@ def hopper_ptx(kernel: str, what: str, const: dict, *, pointers: dict | None = N
     """The sm_90 PTX of ``kernel`` (``"module:name"``) with the constexprs ``const``
     (ints and bools). Other parameters: ``pointers.get(name)`` or ``*bf16`` for
     ``*_ptr``, fp32 for ``*eps``, i32 for the rest (no alignment hints)."""
+    return hopper_ptxs(kernel, what, [const], pointers=pointers, num_warps=num_warps)[0]
+
+
+def hopper_ptxs(kernel: str, what: str, consts: list[dict], *, pointers: dict | None = None,
+                num_warps: int = 4) -> list[str]:
+    """:func:`hopper_ptx` for each constexpr set of ``consts``, compiled one after the
+    other in one fresh interpreter; the PTX in the same order."""
     module, name = kernel.split(":")
     script = f"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from {module} import {name} as k
-const = {const!r}
 pointers = {pointers or {}!r}
 names = [p.name for p in k.params]
-sig = {{n: "constexpr" if n in const else pointers.get(n, "*bf16") if n.endswith("_ptr")
-       else "fp32" if n.endswith("eps") else "i32" for n in names}}
-src = ASTSource(fn=k, signature=sig, constexprs={{(names.index(n),): v for n, v in const.items()}})
-print(triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                     options={{"num_warps": {num_warps}}}).asm["ptx"])
+for i, const in enumerate({list(consts)!r}):
+    sig = {{n: "constexpr" if n in const else pointers.get(n, "*bf16") if n.endswith("_ptr")
+           else "fp32" if n.endswith("eps") else "i32" for n in names}}
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={{(names.index(n),): v for n, v in const.items()}})
+    if i:
+        print({SEPARATOR!r})
+    print(triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={{"num_warps": {num_warps}}}).asm["ptx"])
 """
-    return run_compile_script(script, what)
+    ptxs = run_compile_script(script, what).split(SEPARATOR + "\n")
+    assert len(ptxs) == len(consts), (what, len(ptxs), len(consts))
+    return ptxs
 
 
 def assert_pdl_order(ptx: str, pdl: bool, late_trigger: bool = False) -> None:

@@ -29,7 +29,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ptx import assert_pdl_order, hopper_ptx
+from _ptx import assert_pdl_order, hopper_ptx, hopper_ptxs
 from _tolerances import (assert_close_ulps, assert_matches_reference, dual_norm_tolerance,
                          ulp)
 from k3fusion import reference
@@ -869,10 +869,11 @@ def test_pdl_form_waits_before_its_first_load(kernel: str) -> None:
                   EARLY_TILE=True) if kernel == "_attn_res_kernel" else
              dict(CHUNK=1024, NUM_BLOCKS=3, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=4, PHASE=0))
     const.update(HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False)
-    for pdl, late in ((True, False), (True, True), (False, False)):
-        ptx = hopper_ptx(f"k3fusion.kernels.attn_res:{kernel}",
-                         f"{kernel} PDL={pdl} LATE_TRIGGER={late}",
-                         dict(const, PDL=pdl, LATE_TRIGGER=late), pointers={"words_ptr": "*i64"})
+    forms = ((True, False), (True, True), (False, False))
+    ptxs = hopper_ptxs(f"k3fusion.kernels.attn_res:{kernel}", f"{kernel}, PDL forms",
+                       [dict(const, PDL=pdl, LATE_TRIGGER=late) for pdl, late in forms],
+                       pointers={"words_ptr": "*i64"})
+    for (pdl, late), ptx in zip(forms, ptxs, strict=True):
         assert_pdl_order(ptx, pdl, late)
 
 

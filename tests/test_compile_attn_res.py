@@ -32,6 +32,7 @@ from k3fusion.kernels._launch import interpreter_enabled
 from k3fusion.models import KimiK3Config, KimiK3ForCausalLM
 
 from graph_utils import count_op, fresh_state, nodes_of  # noqa: F401
+from test_attn_res_handoff import assert_handoffs_folded
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_state"),
@@ -163,7 +164,9 @@ def test_k3fusion_backend_bf16(pass_runs, bank, block_size):
 def test_dynamic_one_compile_serves_every_token_count(pass_runs, compiled_cache, seed, batch,
                                                       seq, block_size):
     """``dynamic=True``: one compile per model (block size) serves every token count, fuses
-    every site, and matches eager -- over seeds, token counts and block sizes.
+    every site, folds every layer's closing add into the next site (the cross-layer delta
+    hand-off, ``test_attn_res_handoff.assert_handoffs_folded``), and matches eager -- over
+    seeds, token counts and block sizes.
 
     The explicit examples are one model (block size 1: a boundary at every layer) at two
     token counts; the generated ones (2) reuse it at other seeds and token counts (one
@@ -183,6 +186,9 @@ def test_dynamic_one_compile_serves_every_token_count(pass_runs, compiled_cache,
         assert len(pass_runs) == len(cache)  # one post-grad graph, one pass run
         before, after = pass_runs[-1]
         assert_all_sites_fused(model, before, after)
+        # every layer's closing add folded into the next site (test_attn_res_handoff's
+        # dynamic-T check: this compile serves both files)
+        assert_handoffs_folded(model, before, after)
         ph = [n.meta["val"] for n in after.nodes if n.op == "placeholder"]
         assert any(isinstance(v, torch.SymInt) for v in ph)  # the token count is symbolic
         # module float eps become 0-dim graph inputs under dynamic=True: every site reads

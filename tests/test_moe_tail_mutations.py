@@ -3,9 +3,11 @@ latent_norm(routed))`` written with public norm spellings (``_norm_spellings``),
 structural mutation applied (in the norm or at the site), compiled through Inductor's real
 passes with the k3fusion pass. For every draw: the compile does not raise, the output
 equals eager within the dtype's rounding bound, and the tail is fused exactly when it is
-still the op's function. A fused draw is compiled again through Inductor's lowering and
-codegen (``graph_utils.LoweringBackend``); an unfused one must leave the graph exactly as
-it was (what Inductor then lowers is default Inductor's graph).
+still the op's function; an unfused one must leave the graph exactly as it was (what
+Inductor then lowers is default Inductor's graph). Lowering and codegen of every site form
+a rewrite may touch: ``test_mutation_sites_compile.py`` (``graph_utils.LoweringBackend``);
+of the fp32 latent normalized in 16 bits (``cast_other_dtype``, the op's ``norm_dtype``
+form): ``test_moe_tail_kernel.py``'s real compile of such a model.
 """
 
 from __future__ import annotations

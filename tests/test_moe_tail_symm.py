@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from _gloo import run_ranks
-from _ptx import run_compile_script
+from _ptx import SEPARATOR, run_compile_script
 from k3fusion import moe_tail, reference
 from k3fusion.config import get_config
 from k3fusion.kernels.moe_tail_symm import (PeerBuffers, channel_programs, one_shot_all_reduce_pair,
@@ -478,22 +478,38 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3fusion.kernels.moe_tail_symm import _one_shot_pair_kernel as k
 names = [p.name for p in k.params]
-const = dict(WORLD=WORLD, WORLD_P2=triton.next_power_of_2(WORLD), BLOCK=1024, GPU_FENCE=True)
-types = dict(buf_ptrs="*i64", pad_ptrs="*i64", s_ptr="*fp32", so_ptr="*fp32")
-sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
-       for n in names}
-src = ASTSource(fn=k, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()})
-print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+for i, WORLD in enumerate(WORLDS):
+    const = dict(WORLD=WORLD, WORLD_P2=triton.next_power_of_2(WORLD), BLOCK=1024,
+                 GPU_FENCE=True)
+    types = dict(buf_ptrs="*i64", pad_ptrs="*i64", s_ptr="*fp32", so_ptr="*fp32")
+    sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+           for n in names}
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in const.items()})
+    if i:
+        print(SEPARATOR)
+    print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
 """
+
+#: one compile per world size, all in one interpreter (each start imports torch and triton)
+BARRIER_WORLDS = (1, 3, 8)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 3, 8])
-def test_barrier_compiles_for_hopper(world):
-    """The barriers never really run on CPU: compile for sm_90 and check the PTX holds one
-    system-scope release CAS (put, barrier in), one acquire CAS (wait, barrier in), two
-    relaxed ones (barrier out), CTA barriers, and L2-only loads of the peers' tiles."""
-    ptx = run_compile_script(f"WORLD = {world}\n" + _PTX_CHECK, "the one-shot kernel")
+def test_barrier_compiles_for_hopper():
+    """The barriers never really run on CPU: compile for sm_90 at world sizes 1, 3 and 8
+    and check each PTX holds one system-scope release CAS (put, barrier in), one acquire
+    CAS (wait, barrier in), two relaxed ones (barrier out), CTA barriers, and L2-only
+    loads of the peers' tiles."""
+    out = run_compile_script(f"WORLDS = {BARRIER_WORLDS!r}\nSEPARATOR = {SEPARATOR!r}\n"
+                             + _PTX_CHECK, "the one-shot kernel")
+    ptxs = out.split(SEPARATOR + "\n")
+    assert len(ptxs) == len(BARRIER_WORLDS), len(ptxs)
+    for world, ptx in zip(BARRIER_WORLDS, ptxs, strict=True):
+        _check_barrier_ptx(ptx, world)
+
+
+def _check_barrier_ptx(ptx: str, world: int) -> None:
     ops = []
     for line in ptx.splitlines():
         for word in line.split():
@@ -504,11 +520,11 @@ def test_barrier_compiles_for_hopper(world):
         if sem == "relaxed":  # spelled out, or the default when no order is named
             return sum(1 for q in scoped if not q & {"release", "acquire", "acq_rel"})
         return sum(1 for q in scoped if sem in q)
-    assert (count("release"), count("acquire"), count("relaxed")) == (1, 1, 2), ops
-    assert len(ops) == 4, ops
-    assert "bar.sync" in ptx
-    assert "ld.global.cg" in ptx
-    assert "fence.acq_rel.sys" in ptx  # every thread's copy-in, before its flag
+    assert (count("release"), count("acquire"), count("relaxed")) == (1, 1, 2), (world, ops)
+    assert len(ops) == 4, (world, ops)
+    assert "bar.sync" in ptx, world
+    assert "ld.global.cg" in ptx, world
+    assert "fence.acq_rel.sys" in ptx, world  # every thread's copy-in, before its flag
 
 
 # ============================================================================ GPUs (NCCL)

@@ -1,7 +1,9 @@
 """Every site of the three mutation catalogues (``test_attn_res_mutations``,
 ``test_qkv_mutations``, ``test_moe_tail_mutations``) compiles through Inductor's lowering
-and code generation (``graph_utils.LoweringBackend``) at T = 0, 1 and 64, and at 64 with
-dynamic shapes, and equals eager (issue 27: a compile never fails because of k3fusion).
+and code generation (``graph_utils.LoweringBackend``) at T = 0 and 1 (static) and at a
+dynamic T (64), and equals eager (issue 27: a compile never fails because of k3fusion).
+A static compile at a general T (T = 64 until 2026-12-05) is what the mutation tests
+compile, draw by draw (Inductor's passes for real), lowered here at T = 1 and the dynamic T.
 
 Only the sites a rewrite may touch are compiled here (those the catalogue says fuse, or
 may): a site left unfused must leave the graph as it was (the mutation tests check that),
@@ -9,7 +11,8 @@ so Inductor compiles default Inductor's graph there. The sites sit side by side 
 module (each with its own parameters and inputs): one compile per catalogue and token
 count covers them all. Fusion counts are the mutation tests' business: side by side, two
 region-input norms of different sites may pair, which is fine here -- whatever is
-rewritten must compile and compute eager's values.
+rewritten must compile and compute eager's values. The mutation tests compile their draws
+through ``CaptureBackend`` only (no lowering): this file lowers their sites.
 """
 
 from __future__ import annotations
@@ -102,8 +105,8 @@ def spec_path():
         yield
 
 
-@pytest.mark.parametrize("tokens,dynamic", [(64, False), (1, False), (0, False), (64, True)],
-                         ids=["T64", "T1", "T0", "T64-dynamic"])
+@pytest.mark.parametrize("tokens,dynamic", [(1, False), (0, False), (64, True)],
+                         ids=["T1", "T0", "T64-dynamic"])
 @pytest.mark.parametrize("catalogue", sorted(CATALOGUES))
 def test_every_mutation_site_compiles(catalogue, tokens, dynamic):
     sites, args = CATALOGUES[catalogue](tokens)

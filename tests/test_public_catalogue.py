@@ -2,7 +2,8 @@
 fuses exactly the sites a correct pass fuses -- the right pairs, the right tails, AttnRes
 sites over the right number of blocks -- and nothing of a near relative; the compiled
 output is no less accurate than eager against an fp64 copy; and no entry fails to compile
-through Inductor's lowering and code generation at T = 0, 1 and 64, static and dynamic."""
+through Inductor's lowering and code generation at T = 0 and 1 (static) and at a dynamic T
+(64)."""
 
 from __future__ import annotations
 
@@ -106,22 +107,41 @@ KINDS = {"attn_res": [e for e in ENTRIES if e.fused.get("attn_res")],
                          and not e.fused.get("attn_res")],
          "moe_tail": [e for e in ENTRIES if e.fused.get("moe_tail")
                       and not e.fused.get("attn_res") and not e.fused.get("qkv_rmsnorm")]}
+#: Entries whose ``dynamic=True`` compile restarts Dynamo's analysis (torch 2.13): a Python
+#: float in a size or scalar expression that AOT autograd cannot keep as a graph input is
+#: specialized, and the whole frame is traced again -- the whole side-by-side graph, when
+#: such an entry shares it. They get graphs of their own, so that the others' graph is
+#: traced once (2026-12-05, this 2-core machine: the AttnRes and MLA dynamic compiles took
+#: 102 s of CPU grouped by kind alone, 75 s grouped so; the static ones the same either
+#: way). A stale entry here costs time only: the checks are the same in any group.
+RESTARTS_DYNAMIC = {"vllm_test_reference", "fla_naive", "catswe_paper_form",
+                    "megatron_loop_read", "deepseek_v32_indexer", "deepseek_v3_cache_write",
+                    "megatron_core_mla", "torchtitan_deepseek_v3", "rocm_megatron_k3_gated_mla"}
 #: Entries per side-by-side graph: a dynamic compile's time grows faster than its graph
 #: (one graph of 20 AttnRes entries took 56 s, alone at the end of a CI run); groups of
 #: this many compile in parallel workers instead (6 per group cost 30 s more in all).
 GROUP = 12
-GROUPS = {f"{kind}{i // GROUP}": (kind, entries[i:i + GROUP])
-          for kind, entries in KINDS.items() for i in range(0, len(entries), GROUP)}
+GROUPS = {f"{kind}{'-restarts' if restarts else ''}{i // GROUP}": (kind, part[i:i + GROUP])
+          for kind, entries in KINDS.items() for restarts in (False, True)
+          for part in [[e for e in entries if (e.name in RESTARTS_DYNAMIC) == restarts]]
+          for i in range(0, len(part), GROUP)}
 
 
-@pytest.mark.parametrize("tokens,dynamic", [(64, False), (1, False), (0, False), (64, True)],
-                         ids=["T64", "T1", "T0", "T64-dynamic"])
+@pytest.mark.parametrize("tokens,dynamic", [(1, False), (0, False), (64, True)],
+                         ids=["T1", "T0", "T64-dynamic"])
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_entries_compile_at_any_token_count(group, tokens, dynamic):
     """Lowering and codegen for real (``LoweringBackend``) in bf16, the entries with a
     fusion of one kind side by side in one graph per group (one compile per token count;
     the near relatives fuse nothing, so the graph Inductor compiles for them is its own);
-    the output equals eager's within bf16 rounding of the fused sums."""
+    the output equals eager's within bf16 rounding of the fused sums.
+
+    Token counts: decode (1: size-1 dims, its own views and layouts), none (0: zero-size
+    buffers) and any (a dynamic T, hinted at 64: lowering on symbolic sizes). A static
+    compile at a general T (it was T = 64 too, until 2026-12-05) is the fused graph of
+    ``test_entry_fuses_its_sites_and_is_as_accurate_as_eager`` (T = 5, fp32 and bf16,
+    Inductor's passes for real: the same sites by name, no less accurate than eager),
+    lowered here at T = 1 and at the dynamic T."""
     kind, entries = GROUPS[group]
     models = [e.build().eval().to(torch.bfloat16) for e in entries]
     args = [e.inputs(tokens, torch.bfloat16) for e in entries]

@@ -3,9 +3,9 @@ with public norm spellings (``_norm_spellings``), one random structural mutation
 compiled through Inductor's real passes with the k3fusion pass. For every draw: the compile
 does not raise, the outputs equal eager within the dtype's rounding bound, and the pair is
 fused exactly when both norms are still the op's RMSNorm and the site is still a pair the
-op can take. A fused draw is compiled again through Inductor's lowering and codegen
-(``graph_utils.LoweringBackend``: all but the C++ compiler); an unfused one must leave the
-graph exactly as it was, so what Inductor lowers is default Inductor's graph.
+op can take; an unfused one must leave the graph exactly as it was, so what Inductor
+lowers is default Inductor's graph. Lowering and codegen of every site form a rewrite may
+touch: ``test_mutation_sites_compile.py`` (``graph_utils.LoweringBackend``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def draws(draw):
     return norm_mutation, member, site, spellings, dtype, lead, dynamic, grad
 
 
-# CI: 20 draws (~25 s on 2 busy cores); HYPOTHESIS_PROFILE=dev: 300.
+# CI: 20 draws; HYPOTHESIS_PROFILE=dev: 300.
 _EXAMPLES = 20 if settings.default.max_examples <= 25 else 300
 _SETTINGS = dict(max_examples=_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.reuse,
                                                          Phase.generate],

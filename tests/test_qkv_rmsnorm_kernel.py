@@ -14,7 +14,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from _ptx import assert_pdl_order, hopper_ptx
+from _ptx import assert_pdl_order, hopper_ptx, hopper_ptxs
 from _tolerances import (
     assert_close_ulps,
     assert_matches_reference,
@@ -243,9 +243,10 @@ def test_pdl_form_waits_before_its_first_load() -> None:
     step's previous launch may have written -- then lets the next launch start."""
     const = dict(BLOCK_COLS1=2048, BLOCK_COLS2=512, ROWS1=1, ROWS2=4, WEIGHT_IN_FP32_1=False,
                  WEIGHT_IN_FP32_2=False, WEIGHTS_EARLY=False)
-    for pdl in (True, False):
-        ptx = hopper_ptx("k3fusion.kernels.qkv_rmsnorm:_dual_rms_norm_kernel",
-                         f"the q/kv kernel PDL={pdl}", dict(const, PDL=pdl), num_warps=2)
+    ptxs = hopper_ptxs("k3fusion.kernels.qkv_rmsnorm:_dual_rms_norm_kernel",
+                       "the q/kv kernel, PDL on and off",
+                       [dict(const, PDL=True), dict(const, PDL=False)], num_warps=2)
+    for pdl, ptx in zip((True, False), ptxs, strict=True):
         assert_pdl_order(ptx, pdl)
 
 
