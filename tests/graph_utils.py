@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections import Counter
 from typing import Any, Callable, Iterable, Iterator
 
@@ -462,6 +463,11 @@ def expected_from(*verdicts: bool | None) -> bool | None:
     return None if any(v is None for v in verdicts) else True
 
 
+#: The thorough profile lowers every fused mutation draw; CI lowers each site form once
+#: (test_mutation_sites_compile.py) to stay inside its time.
+LOWER_EVERY_DRAW = os.environ.get("HYPOTHESIS_PROFILE") == "dev"
+
+
 def check_mutated_site(module: torch.nn.Module, args: tuple, fusion: str,
                        expect: bool | None, *, dynamic: bool, what: str,
                        rounded: torch.dtype, grad: bool = False) -> int:
@@ -470,7 +476,8 @@ def check_mutated_site(module: torch.nn.Module, args: tuple, fusion: str,
     the graph exactly as it was; every output equals eager within ``rounded``'s rounding.
     ``grad``: compiled with autograd recording (the forward of a training pair), where the
     same sites fuse. Lowering and codegen of every site a rewrite may touch:
-    ``test_mutation_sites_compile.py`` (side by side, one compile per token count)."""
+    ``test_mutation_sites_compile.py`` (side by side, one compile per token count); the
+    thorough profile (``HYPOTHESIS_PROFILE=dev``) also lowers each fused draw."""
     with torch.no_grad():
         want = module(*args)
     k3fusion.reset_match_counts()
@@ -481,6 +488,12 @@ def check_mutated_site(module: torch.nn.Module, args: tuple, fusion: str,
         assert fused == int(expect), f"{what}: fused {fused}, expected {int(expect)}"
     else:
         assert fused in (0, 1), what
+    if fused and LOWER_EVERY_DRAW:  # its dtype, lead dims and grad mode, codegen included
+        torch._dynamo.reset()
+        k3fusion.reset_match_counts()
+        with contextlib.nullcontext() if grad else torch.no_grad(), no_compile_caches():
+            got = torch.compile(module, backend=LoweringBackend(), dynamic=dynamic)(*args)
+        assert k3fusion.match_counts().get(fusion, 0) == 1, what
     if not fused:  # left exactly as it was: what Inductor compiles is default Inductor's graph
         assert op_histogram(be.graph_after) == op_histogram(be.graph_before), what
     got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
