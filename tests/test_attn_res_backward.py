@@ -7,7 +7,9 @@ runs it: the joint graph's backward re-derived from the fused forward
 Bounds: against the exact gradients (the reference's math in fp64, without its roundings),
 at most twice the error of the reference's own autograd in the same dtype (fp32 sums, and
 in 16-bit dtypes its roundings of the new prefix, the mix and the intermediate gradients)
-plus 4 units in the last place of the largest.
+plus 4 units in the last place of the largest, plus ``2 sqrt(width)`` fp32 units of the
+largest for the dot products over the width, which the two sum in other orders
+(``_bound``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import k3fusion
 from k3fusion import reference
@@ -67,19 +69,40 @@ def _max_error(a, b) -> float:
     return float((a.double() - b.double()).abs().max()) if b.numel() else 0.0
 
 
+def _bound(want, exact, dtype, width) -> float:
+    """Twice the reference's own error, 4 ulps of the largest in ``dtype``, and the fp32
+    sums over the width: the logits' gradient is a difference of dot products over
+    ``width`` that the kernels and the reference sum in other orders, whose roundings walk
+    like ``sqrt(width)`` ulps (``_WIDE_FP32``: 0.9 of them, 4x the reference's error)."""
+    largest = float(exact.abs().max()) + 1
+    return (2 * _max_error(want, exact) + 4 * float(torch.finfo(dtype).eps) * largest
+            + 2 * float(torch.finfo(torch.float32).eps) * width ** 0.5 * largest)
+
+
+#: (bank slots, completed blocks <= slots)
+_BLOCKS = st.integers(1, 5).flatmap(lambda slots: st.tuples(st.just(slots),
+                                                             st.integers(0, slots)))
+#: fp32 draws at width 300 whose weight gradients summed the width's roundings 3-4x worse
+#: than the reference's own autograd did (a CI failure of 2026-12-05): ``_bound``'s width term
+_WIDE_FP32 = dict(tokens=1, width=300, blocks=(2, 2), dtype=torch.float32, with_delta=True,
+                  out_norm=False, out_weight_in_fp32=False, strided=False, expanded_grad=False)
+
+
 @settings(max_examples=30, deadline=None)
+@example(**_WIDE_FP32, seed=0)
+@example(**_WIDE_FP32, seed=38)
 @given(tokens=st.sampled_from([0, 1, 3, 33]), width=st.sampled_from([24, 40, 300]),
-       nb_max=st.integers(1, 5), data=st.data(), dtype=st.sampled_from(DTYPES),
+       blocks=_BLOCKS, dtype=st.sampled_from(DTYPES),
        with_delta=st.booleans(), out_norm=st.booleans(), out_weight_in_fp32=st.booleans(),
        strided=st.booleans(), expanded_grad=st.booleans(), seed=st.integers(0, 2**16))
-def test_backward_op_matches_reference_autograd(tokens, width, nb_max, data, dtype,
+def test_backward_op_matches_reference_autograd(tokens, width, blocks, dtype,
                                                 with_delta, out_norm, out_weight_in_fp32,
                                                 strided, expanded_grad, seed):
     """Both paths of the op (the kernels; the plain-torch formulas) within the bound, on
     random token counts (0, 1, and more than one program's group of 32), widths that are
     not powers of two, a bank with slots past the block count (their gradient is 0),
     strided rows and an expanded incoming gradient (``out.sum()``'s)."""
-    num_blocks = data.draw(st.integers(0, nb_max))
+    nb_max, num_blocks = blocks
     g = torch.Generator().manual_seed(seed)
     pad = 7 * strided
 
@@ -108,8 +131,7 @@ def test_backward_op_matches_reference_autograd(tokens, width, nb_max, data, dty
             assert a.shape == b.shape and a.dtype == b.dtype, (path, i)
             if not e.numel():
                 continue
-            bound = 2 * _max_error(b, e) + 4 * float(torch.finfo(dtype).eps) * (
-                float(e.abs().max()) + 1)
+            bound = _bound(b, e, dtype, width)
             assert _max_error(a, e) <= bound, (path, i, _max_error(a, e), bound)
         assert not got[1][:, num_blocks:].any()  # slots the op never read
 
@@ -309,8 +331,7 @@ def test_backward_kernels_at_k3_sizes(tokens, num_blocks, dtype):
     exact = _reference_grads(inputs, num_blocks, grad_out, grad_new_prefix, False, exact=True)
     got = _op_grads(inputs, num_blocks, grad_out, grad_new_prefix, False)
     for i, (a, b, e) in enumerate(zip(got, want, exact, strict=True)):
-        bound = 2 * _max_error(b, e) + 4 * float(torch.finfo(dtype).eps) * (
-            float(e.abs().max()) + 1)
+        bound = _bound(b, e, dtype, H)
         assert _max_error(a, e) <= bound, (i, _max_error(a, e), bound)
 
 
