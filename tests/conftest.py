@@ -65,6 +65,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
 
 
+#: ``PYTEST_FAIL_LOG=path``: each failure's test id and the end of its report appended to
+#: ``path`` as it happens -- a run cut off by a time limit (a device call) still names them.
+FAIL_LOG = os.environ.get("PYTEST_FAIL_LOG")
+
+
+def pytest_runtest_logreport(report):
+    if FAIL_LOG and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        lines = str(report.longrepr).strip().splitlines()[-8:]
+        with open(FAIL_LOG, "a") as f:
+            f.write(f"{report.nodeid} [{report.when}]\n" + "".join(f"    {x}\n" for x in lines))
+
+
 @pytest.fixture
 def pass_runs(monkeypatch):
     """(graph before, graph after) for every K3FusionPass call, however it was installed."""
