@@ -1603,6 +1603,88 @@ class AutomodelDSparkK3Attention(nn.Module):
         return self.o_proj(out * self.g_proj(hidden_states).sigmoid())
 
 
+class _AddRMSNorm(HFRMSNorm):
+    """vLLM's ``RMSNorm.forward_native`` with a residual: ``x + residual`` (the new
+    residual), then the norm."""
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return super().forward(x)
+        x = x + residual
+        return super().forward(x), x
+
+
+class VllmDeepseekMTP(nn.Module):
+    """vLLM's ``DeepSeekMultiTokenPredictorLayer``: the next tokens' embeddings (a fresh
+    tensor, as ``embed_tokens`` gives) zeroed where ``positions == 0`` by a boolean-mask
+    write, ``enorm`` of them and ``hnorm`` of the previous hidden state, ``eh_proj`` of
+    their ``cat``; then the ``mtp_block`` (``DeepseekV2DecoderLayer``): ``input_layernorm``
+    (residual None: the input is the residual), vLLM's MLA wrapper (one fused
+    ``q_a + kv_a`` projection split, the q norm and ``q_b_proj`` before the kv latent is
+    split again; rotate-half rope; a causal attention stand-in for the MLA backend),
+    ``post_attention_layernorm`` with the residual add fused (``forward_native``), a dense
+    SiLU MLP for the MoE; ``residual + hidden``. ``enorm`` reads the masked copy, no graph
+    input, so it shares no source with ``hnorm``: the q/kv latents are the one pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_head = NOPE + ROPE
+        self.enorm, self.hnorm = HFRMSNorm(H), HFRMSNorm(H)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.input_layernorm = _AddRMSNorm(H)
+        self.fused_qkv_a_proj = nn.Linear(H, Q_LORA + KV_LORA + ROPE, bias=False)
+        self.q_a_layernorm = HFRMSNorm(Q_LORA)
+        self.q_b_proj = nn.Linear(Q_LORA, N_HEADS * self.q_head, bias=False)
+        self.kv_a_layernorm = HFRMSNorm(KV_LORA)
+        self.kv_b_proj = nn.Linear(KV_LORA, N_HEADS * (NOPE + V_DIM), bias=False)
+        self.o_proj = nn.Linear(N_HEADS * V_DIM, H, bias=False)
+        self.post_attention_layernorm = _AddRMSNorm(H)
+        self.gate_up_proj = nn.Linear(H, 4 * H, bias=False)
+        self.down_proj = nn.Linear(2 * H, H, bias=False)
+        _init(self)
+        inv = 1.0 / (10000 ** (torch.arange(0, ROPE, 2).float() / ROPE))
+        freqs = torch.outer(torch.arange(MAX_SEQ).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def _rope(self, x):  # [B, T, heads, r]
+        cos = self.cos[: x.shape[1], None, :].to(x.dtype)
+        sin = self.sin[: x.shape[1], None, :].to(x.dtype)
+        return x * cos + torch.cat((-x[..., ROPE // 2:], x[..., : ROPE // 2]), dim=-1) * sin
+
+    def _mla(self, h):
+        b, t, _ = h.shape
+        q_c, kv_lora = self.fused_qkv_a_proj(h).split([Q_LORA, KV_LORA + ROPE], dim=-1)
+        q = self.q_b_proj(self.q_a_layernorm(q_c)).view(b, t, N_HEADS, self.q_head)
+        kv_c, k_pe = kv_lora.split([KV_LORA, ROPE], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_c)).view(b, t, N_HEADS, NOPE + V_DIM)
+        q_nope, q_pe = q.split([NOPE, ROPE], dim=-1)
+        k_nope, v = kv.split([NOPE, V_DIM], dim=-1)
+        q = torch.cat((q_nope, self._rope(q_pe)), dim=-1)
+        k_pe = self._rope(k_pe.unsqueeze(2)).expand(-1, -1, N_HEADS, -1)
+        k = torch.cat((k_nope, k_pe), dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True,
+                                             scale=self.q_head ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, N_HEADS * V_DIM))
+
+    def forward(self, previous_hidden_states, inputs_embeds):
+        b, t, _ = inputs_embeds.shape
+        positions = torch.arange(t, device=inputs_embeds.device).expand(b, t)
+        inputs_embeds = inputs_embeds.clone()  # embed_tokens' fresh output
+        inputs_embeds[positions == 0] = 0
+        inputs_embeds = self.enorm(inputs_embeds)
+        previous_hidden_states = self.hnorm(previous_hidden_states)
+        hidden_states = self.eh_proj(torch.cat([inputs_embeds, previous_hidden_states], dim=-1))
+        residual = hidden_states
+        hidden_states = self._mla(self.input_layernorm(hidden_states))
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
+        hidden_states = self.down_proj(F.silu(gate) * up)
+        return residual + hidden_states
+
+
 # =============================================================== latent MoE tails
 
 
@@ -2128,6 +2210,12 @@ ENTRIES: list[Entry] = [
           AutomodelDSparkK3Attention, "near relative: q latent of the draft block, kv latent of "
           "cat([context, block]) -- projections of two activations, T and 2T rows", {QKV: 0},
           inputs_kind="draft"),
+    Entry("vllm_deepseek_mtp", _src("vllm-project/vllm",
+                                    "vllm/model_executor/models/deepseek_mtp.py",
+                                    "4f7c14402630b97c8c078523fca8edef287ed2cf"),
+          VllmDeepseekMTP, "MTP: masked embeddings, eh_proj(cat(enorm, hnorm)), then a "
+          "decoder block: input norm, fused-projection MLA, residual-add norm", {QKV: 1},
+          inputs_kind="mtp", pairs=[frozenset({"q_a_layernorm.weight", "kv_a_layernorm.weight"})]),
     # ---------------------------------------------------------------- latent MoE
     Entry("vllm_latent_tail", _src("vllm-project/vllm", "vllm/models/kimi_k3/nvidia/model.py",
                                    "006193b5a9a7957c11bc6472588f951e778072b5"),
