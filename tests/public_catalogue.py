@@ -53,7 +53,8 @@ class Entry:
     attn_res_blocks: list[int] = field(default_factory=list)
     #: the compiled call's inputs: ``"h"`` hidden [B, T, H]; ``"tokens"`` flat [T, H];
     #: ``"seq_first"`` [T, B, H]; ``"moe"`` (latent [T, L], hidden [T, H], prefix [T, H]);
-    #: ``"mtp"`` (hidden [B, T, H], the next tokens' embeddings [B, T, H])
+    #: ``"mtp"`` (hidden [B, T, H], the next tokens' embeddings [B, T, H]); ``"draft"`` (a
+    #: draft's block [B, T, H], the target's context [B, T, H])
     inputs_kind: str = "h"
     #: what differs in bf16 (a site that cannot fuse there), with the reason
     bf16: tuple[dict[str, int], list[int], str] | None = None
@@ -87,7 +88,7 @@ class Entry:
             return (rand(tokens, 2, H),)
         if self.inputs_kind == "moe":
             return (rand(tokens, LATENT), rand(tokens, H), rand(tokens, H))
-        if self.inputs_kind == "mtp":
+        if self.inputs_kind in ("mtp", "draft"):
             return (rand(2, tokens, H), rand(2, tokens, H))
         return (rand(2, tokens, H),)
 
@@ -1395,6 +1396,295 @@ class HFDots1QKNorm(nn.Module):
         return self.o_proj(out.reshape(*input_shape, self.heads * d))
 
 
+class _BridgeRMSNorm(nn.Module):
+    """Megatron-Bridge's ``KimiRMSNorm``: upcast, ``square().mean``, rsqrt, cast back, then
+    the weight (model dtype)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        y = x.float()
+        y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * y.to(dtype)
+
+
+class MegatronBridgeK3MLA(nn.Module):
+    """Megatron-Bridge's Kimi K3 ``KimiK3Attention._forward_mla`` (tp = 1, no sequence
+    parallel): the sequence-first ``[S, B, H]`` hidden state used as it is (no transpose);
+    every projection an ``(out, bias)`` Linear read through a ``_linear`` helper that
+    unpacks it (and refuses a bias); ``KimiRMSNorm`` norms (``square().mean``, eps 1e-5);
+    the q latent up-projected before the kv projection runs; ``torch.split`` of the kv
+    projection; NoPE (the rope-sized slice joins the key unrotated,
+    ``unsqueeze(-2).expand``); ``value.contiguous()``; a causal attention stand-in for
+    ``TEDotProductAttention`` on ``sbhd``; a full-rank sigmoid output gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_head = NOPE + ROPE
+        self.q_a_proj = _TupleLinear(H, Q_LORA, bias=False)
+        self.q_a_layernorm = _BridgeRMSNorm(Q_LORA)
+        self.q_b_proj = _TupleLinear(Q_LORA, N_HEADS * self.q_head, bias=False)
+        self.kv_a_proj_with_mqa = _TupleLinear(H, KV_LORA + ROPE, bias=False)
+        self.kv_a_layernorm = _BridgeRMSNorm(KV_LORA)
+        self.kv_b_proj = _TupleLinear(KV_LORA, N_HEADS * (NOPE + V_DIM), bias=False)
+        self.g_proj = _TupleLinear(H, N_HEADS * V_DIM, bias=False)
+        self.o_proj = _TupleLinear(N_HEADS * V_DIM, H, bias=False)
+        _init(self)
+
+    @staticmethod
+    def _linear(module, x):
+        out, bias = module(x)
+        if bias is not None:
+            raise ValueError("bias-free projections only")
+        return out
+
+    def _core_attention(self, q, k, v):  # [S, B, h, d] in, [S, B, h * dv] out
+        s = q.shape[0]
+        scores = torch.einsum("sbhd,tbhd->bhst", q, k) * self.q_head ** -0.5
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1, dtype=torch.float32)
+        out = torch.einsum("bhst,tbhd->sbhd", probs.to(v.dtype), v)
+        return out.reshape(s, q.shape[1], N_HEADS * V_DIM)
+
+    def forward(self, x):
+        query = self._linear(self.q_b_proj, self.q_a_layernorm(self._linear(self.q_a_proj, x)))
+        query = query.view(*query.shape[:-1], N_HEADS, self.q_head)
+        compressed_kv = self._linear(self.kv_a_proj_with_mqa, x)
+        kv_latent, key_extra = torch.split(compressed_kv, [KV_LORA, ROPE], dim=-1)
+        key_value = self._linear(self.kv_b_proj, self.kv_a_layernorm(kv_latent))
+        key_value = key_value.view(*key_value.shape[:-1], N_HEADS, NOPE + V_DIM)
+        key_nope, value = torch.split(key_value, [NOPE, V_DIM], dim=-1)
+        value = value.contiguous()
+        key_extra = key_extra.unsqueeze(-2).expand(*key_nope.shape[:-1], -1)
+        key = torch.cat((key_nope, key_extra), dim=-1)
+        out = self._core_attention(query, key, value)
+        out = out * torch.sigmoid(self._linear(self.g_proj, x))
+        return self._linear(self.o_proj, out)
+
+
+class _TuneRMSNorm(nn.Module):
+    """torchtune's ``RMSNorm``: the weight named ``scale``; fp32 normalize, ``.type_as(x)``,
+    then ``* scale``."""
+
+    def __init__(self, dim: int, eps: float = EPS) -> None:
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x_fp32 = x.float()
+        normed = (x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        return normed * self.scale
+
+
+class _TuneLatentLinear(nn.Module):
+    """torchtune's ``DeepSeekV3LatentLinear``: ``a`` down, the norm, ``b`` up in one module;
+    with a rope width, ``a``'s output is split, the rope part returned as ``[b, 1, s, r]``."""
+
+    def __init__(self, in_dim: int, out_dim: int, rank: int, rope: int = 0) -> None:
+        super().__init__()
+        self.rank, self.rope = rank, rope
+        self.a = nn.Linear(in_dim, rank + rope, bias=False)
+        self.b = nn.Linear(rank, out_dim, bias=False)
+        self.norm = _TuneRMSNorm(rank)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        out = self.a(x)
+        if self.rope:
+            out, rope_out = torch.split(out, [self.rank, self.rope], dim=-1)
+            rope_out = rope_out.view(b, s, 1, self.rope).transpose(1, 2)
+            return self.b(self.norm(out)), rope_out
+        return self.b(self.norm(out))
+
+
+class TorchtuneLatentLinear(nn.Module):
+    """torchtune's DeepSeek-V3 attention (pull request 2764): the q and kv latents
+    each inside a ``DeepSeekV3LatentLinear`` (``q_proj.norm``, ``kv_proj.norm``: the norm
+    between its own ``a`` and ``b``), torchtune norms (weight ``scale``, ``type_as`` then
+    ``* scale``); q viewed into heads and transposed, split; the kv up-projection viewed,
+    transposed, split into ``k_nope`` and ``value``; rotate-half rope on ``[b, h, s, r]``;
+    q and k assembled by slice assignment into ``new_empty`` buffers; SDPA with the MLA
+    scale. ``q_lora = False``: ``q_proj`` a plain Linear (``q_lora_rank`` None), the kv norm
+    alone -- nothing to pair."""
+
+    q_lora = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_head = NOPE + ROPE
+        if self.q_lora:
+            self.q_proj = _TuneLatentLinear(H, N_HEADS * self.q_head, Q_LORA)
+        else:
+            self.q_proj = nn.Linear(H, N_HEADS * self.q_head, bias=False)
+        self.kv_proj = _TuneLatentLinear(H, N_HEADS * (NOPE + V_DIM), KV_LORA, rope=ROPE)
+        self.output_proj = nn.Linear(N_HEADS * V_DIM, H, bias=False)
+        _init(self)
+        inv = 1.0 / (10000 ** (torch.arange(0, ROPE, 2).float() / ROPE))
+        freqs = torch.outer(torch.arange(MAX_SEQ).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def _rope(self, x):  # [b, h, s, r]
+        s = x.shape[2]
+        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+        x1, x2 = x[..., : ROPE // 2], x[..., ROPE // 2:]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, N_HEADS, self.q_head).transpose(1, 2)
+        q_nope, q_pe = torch.split(q, [NOPE, ROPE], dim=-1)
+        kv, k_pe = self.kv_proj(x)
+        kv = kv.view(b, s, N_HEADS, NOPE + V_DIM).transpose(1, 2)
+        k_nope, value = torch.split(kv, [NOPE, V_DIM], dim=-1)
+        q_pe, k_pe = self._rope(q_pe), self._rope(k_pe)
+        query = k_pe.new_empty(b, N_HEADS, s, self.q_head)
+        query[:, :, :, :NOPE] = q_nope
+        query[:, :, :, NOPE:] = q_pe
+        key = k_pe.new_empty(b, N_HEADS, s, self.q_head)
+        key[:, :, :, :NOPE] = k_nope
+        key[:, :, :, NOPE:] = k_pe
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                             scale=self.q_head ** -0.5)
+        return self.output_proj(out.transpose(1, 2).contiguous().view(b, s, N_HEADS * V_DIM))
+
+
+class TorchtuneNoQLora(TorchtuneLatentLinear):
+    q_lora = False
+
+
+class AutomodelDSparkK3Attention(nn.Module):
+    """NeMo AutoModel's Kimi K3 DSpark draft attention (``KimiK3DSparkAttention``): the
+    queries from the noise block ``hidden_states`` ``[B, T, H]``, the keys and values from
+    ``torch.cat([target_hidden_states, hidden_states], dim=1)`` (the frozen target context
+    before the block): ``q_a_layernorm`` normalizes T rows a batch, ``kv_a_layernorm`` 2T
+    (the context is T long here). HF-style norms eps 1e-5 (the draft creates its norm
+    weights in fp32; here all parameters follow the model dtype); NoPE
+    (``k_rot.view(b, 1, s, r)`` expanded onto the heads); eager attention with an fp32
+    softmax, no mask (the block sees the whole context and itself); sigmoid gate. The
+    latents are projections of two different activations: the pass pairs norms of one
+    source only (docs/design-notes.md, "patterns/qkv_rmsnorm.py"), so nothing fuses --
+    though ``dual_rms_norm``, whose sides have their own row counts, could take the two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_head = NOPE + ROPE
+        self.q_a_proj = nn.Linear(H, Q_LORA, bias=False)
+        self.q_a_layernorm = HFRMSNorm(Q_LORA, eps=1e-5)
+        self.q_b_proj = nn.Linear(Q_LORA, N_HEADS * self.q_head, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, KV_LORA + ROPE, bias=False)
+        self.kv_a_layernorm = HFRMSNorm(KV_LORA, eps=1e-5)
+        self.kv_b_proj = nn.Linear(KV_LORA, N_HEADS * (NOPE + V_DIM), bias=False)
+        self.g_proj = nn.Linear(H, N_HEADS * V_DIM, bias=False)
+        self.o_proj = nn.Linear(N_HEADS * V_DIM, H, bias=False)
+        _init(self)
+
+    def forward(self, hidden_states, target_hidden_states):
+        b, s = hidden_states.shape[:-1]
+        kv_states = torch.cat([target_hidden_states, hidden_states], dim=1)
+        kv_len = kv_states.shape[1]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(b, s, N_HEADS, self.q_head).transpose(1, 2)
+        k, k_rot = torch.split(self.kv_a_proj_with_mqa(kv_states), [KV_LORA, ROPE], dim=-1)
+        k = self.kv_b_proj(self.kv_a_layernorm(k))
+        k = k.view(b, kv_len, N_HEADS, NOPE + V_DIM).transpose(1, 2)
+        k, v = torch.split(k, [NOPE, V_DIM], dim=-1)
+        k_rot = k_rot.view(b, 1, kv_len, ROPE).expand(*k.shape[:-1], -1)
+        k = torch.cat([k, k_rot], dim=-1)
+        attn = torch.matmul(q, k.transpose(2, 3)) * self.q_head ** -0.5
+        attn = F.softmax(attn, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(attn, v).transpose(1, 2).contiguous().reshape(b, s, N_HEADS * V_DIM)
+        return self.o_proj(out * self.g_proj(hidden_states).sigmoid())
+
+
+class _AddRMSNorm(HFRMSNorm):
+    """vLLM's ``RMSNorm.forward_native`` with a residual: ``x + residual`` (the new
+    residual), then the norm."""
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return super().forward(x)
+        x = x + residual
+        return super().forward(x), x
+
+
+class VllmDeepseekMTP(nn.Module):
+    """vLLM's ``DeepSeekMultiTokenPredictorLayer``: the next tokens' embeddings (a fresh
+    tensor, as ``embed_tokens`` gives) zeroed where ``positions == 0`` by a boolean-mask
+    write, ``enorm`` of them and ``hnorm`` of the previous hidden state, ``eh_proj`` of
+    their ``cat``; then the ``mtp_block`` (``DeepseekV2DecoderLayer``): ``input_layernorm``
+    (residual None: the input is the residual), vLLM's MLA wrapper (one fused
+    ``q_a + kv_a`` projection split, the q norm and ``q_b_proj`` before the kv latent is
+    split again; rotate-half rope; a causal attention stand-in for the MLA backend),
+    ``post_attention_layernorm`` with the residual add fused (``forward_native``), a dense
+    SiLU MLP for the MoE; ``residual + hidden``. ``enorm`` reads the masked copy, no graph
+    input, so it shares no source with ``hnorm``: the q/kv latents are the one pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_head = NOPE + ROPE
+        self.enorm, self.hnorm = HFRMSNorm(H), HFRMSNorm(H)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.input_layernorm = _AddRMSNorm(H)
+        self.fused_qkv_a_proj = nn.Linear(H, Q_LORA + KV_LORA + ROPE, bias=False)
+        self.q_a_layernorm = HFRMSNorm(Q_LORA)
+        self.q_b_proj = nn.Linear(Q_LORA, N_HEADS * self.q_head, bias=False)
+        self.kv_a_layernorm = HFRMSNorm(KV_LORA)
+        self.kv_b_proj = nn.Linear(KV_LORA, N_HEADS * (NOPE + V_DIM), bias=False)
+        self.o_proj = nn.Linear(N_HEADS * V_DIM, H, bias=False)
+        self.post_attention_layernorm = _AddRMSNorm(H)
+        self.gate_up_proj = nn.Linear(H, 4 * H, bias=False)
+        self.down_proj = nn.Linear(2 * H, H, bias=False)
+        _init(self)
+        inv = 1.0 / (10000 ** (torch.arange(0, ROPE, 2).float() / ROPE))
+        freqs = torch.outer(torch.arange(MAX_SEQ).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def _rope(self, x):  # [B, T, heads, r]
+        cos = self.cos[: x.shape[1], None, :].to(x.dtype)
+        sin = self.sin[: x.shape[1], None, :].to(x.dtype)
+        return x * cos + torch.cat((-x[..., ROPE // 2:], x[..., : ROPE // 2]), dim=-1) * sin
+
+    def _mla(self, h):
+        b, t, _ = h.shape
+        q_c, kv_lora = self.fused_qkv_a_proj(h).split([Q_LORA, KV_LORA + ROPE], dim=-1)
+        q = self.q_b_proj(self.q_a_layernorm(q_c)).view(b, t, N_HEADS, self.q_head)
+        kv_c, k_pe = kv_lora.split([KV_LORA, ROPE], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_c)).view(b, t, N_HEADS, NOPE + V_DIM)
+        q_nope, q_pe = q.split([NOPE, ROPE], dim=-1)
+        k_nope, v = kv.split([NOPE, V_DIM], dim=-1)
+        q = torch.cat((q_nope, self._rope(q_pe)), dim=-1)
+        k_pe = self._rope(k_pe.unsqueeze(2)).expand(-1, -1, N_HEADS, -1)
+        k = torch.cat((k_nope, k_pe), dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True,
+                                             scale=self.q_head ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, N_HEADS * V_DIM))
+
+    def forward(self, previous_hidden_states, inputs_embeds):
+        b, t, _ = inputs_embeds.shape
+        positions = torch.arange(t, device=inputs_embeds.device).expand(b, t)
+        inputs_embeds = inputs_embeds.clone()  # embed_tokens' fresh output
+        inputs_embeds[positions == 0] = 0
+        inputs_embeds = self.enorm(inputs_embeds)
+        previous_hidden_states = self.hnorm(previous_hidden_states)
+        hidden_states = self.eh_proj(torch.cat([inputs_embeds, previous_hidden_states], dim=-1))
+        residual = hidden_states
+        hidden_states = self._mla(self.input_layernorm(hidden_states))
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
+        hidden_states = self.down_proj(F.silu(gate) * up)
+        return residual + hidden_states
+
+
 # =============================================================== latent MoE tails
 
 
@@ -1446,6 +1736,143 @@ class NemotronNoNorm(_Tail):
 
     def forward(self, latent, h, prefix):
         return self.routed_expert_up_proj(latent * 2.5) + self.shared_experts(h)
+
+
+class MegatronBridgeK3Tail(_Tail):
+    """Megatron-Bridge's Kimi K3 ``KimiK3MoELayer.postprocess`` (tp = 1): the shared
+    experts' output computed first (MCore runs them before the routed path); the combined
+    routed latent through ``combine_postprocess`` (a view back to token rows here),
+    ``KimiRMSNorm`` (``square().mean``, eps 1e-5), the ``(out, bias)`` ``fc2_latent_proj``
+    unpacked, then ``output + shared_expert_output``."""
+
+    def __init__(self) -> None:
+        super().__init__(_BridgeRMSNorm(LATENT))
+        self.fc2_latent_proj = _TupleLinear(LATENT, H, bias=False)
+        del self.routed_expert_up_proj
+        _init(self)
+
+    def forward(self, latent, h, prefix):
+        shared_expert_output = self.shared_experts(h)
+        output = latent.view(-1, LATENT)  # combine_postprocess stand-in
+        output = self.routed_expert_norm(output)
+        output, _ = self.fc2_latent_proj(output)
+        return output + shared_expert_output
+
+
+class TorchtitanK3LatentMoE(nn.Module):
+    """torchtitan's Kimi K3 ``KimiLatentMoE`` (pull request 4025) on packed ``[T, H]``
+    tokens, the whole layer: a sigmoid router with a selection bias (top-2 of 4),
+    ``routed_down`` into the latent, the routed experts (SwiGLU for K3's SiTU, in the
+    latent; grouped GEMMs made dense: every expert on every token, weight 0 where
+    unrouted), ``routed_up(routed_norm(routed))`` with ``routed_norm`` a
+    ``torch.nn.RMSNorm`` (eps 1e-5), the shared expert computed *after* it and added.
+    (``nn.RMSNorm`` makes a ``dynamic=True`` compile restart Dynamo's analysis, as in
+    ``megatron_core_mla`` and ``torchtitan_deepseek_v3``.)"""
+
+    experts, topk, inter = 4, 2, 24
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, self.experts, bias=False)
+        self.expert_bias = nn.Parameter(torch.zeros(self.experts))
+        self.routed_down = nn.Linear(H, LATENT, bias=False)
+        self.w1 = nn.ModuleList(nn.Linear(LATENT, self.inter, bias=False)
+                                for _ in range(self.experts))
+        self.w3 = nn.ModuleList(nn.Linear(LATENT, self.inter, bias=False)
+                                for _ in range(self.experts))
+        self.w2 = nn.ModuleList(nn.Linear(self.inter, LATENT, bias=False)
+                                for _ in range(self.experts))
+        self.routed_norm = nn.RMSNorm(LATENT, eps=1e-5)
+        self.routed_up = nn.Linear(LATENT, H, bias=False)
+        self.shared_w1 = nn.Linear(H, 2 * H, bias=False)
+        self.shared_w3 = nn.Linear(H, 2 * H, bias=False)
+        self.shared_w2 = nn.Linear(2 * H, H, bias=False)
+        _init(self)
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.router(x).float())
+        idx = (scores + self.expert_bias.float()).topk(self.topk, dim=-1)[1]
+        w = scores.gather(-1, idx)
+        w = w / w.sum(-1, keepdim=True)
+        latent = self.routed_down(x)
+        routed = torch.zeros_like(latent)
+        for e in range(self.experts):
+            gate = (w * (idx == e)).sum(-1, keepdim=True).to(latent.dtype)
+            routed = routed + gate * self.w2[e](F.silu(self.w1[e](latent)) * self.w3[e](latent))
+        out = self.routed_up(self.routed_norm(routed))
+        return out + self.shared_w2(F.silu(self.shared_w1(x)) * self.shared_w3(x))
+
+
+class MegatronBridgeGemma4PostNorm(_Tail):
+    """Megatron-Bridge's Gemma 4 ``Gemma4MoELayer.postprocess`` with ``moe_latent_size``
+    set: ``fc2_latent_proj`` first, *then* a norm of its output (``post_moe_layernorm``),
+    added to a norm of the shared output (``post_shared_expert_layernorm``); TENorm as a
+    plain HF-style RMSNorm. The norm after the up-projection: another function, nothing
+    to fuse."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.fc2_latent_proj = _TupleLinear(LATENT, H, bias=False)
+        self.post_moe_layernorm = HFRMSNorm(H)
+        self.post_shared_expert_layernorm = HFRMSNorm(H)
+        del self.routed_expert_up_proj
+        _init(self)
+
+    def forward(self, latent, h, prefix):
+        output, _ = self.fc2_latent_proj(latent)
+        output = self.post_moe_layernorm(output)
+        return output + self.post_shared_expert_layernorm(self.shared_experts(h))
+
+
+def _situ(x, beta: float = 4.0, linear_beta: float = 25.0):
+    """K3's SiTU on a ``[..., 2 * F]`` gate/up projection, in fp32, one cast back."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.float(), up.float()
+    act = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    return (act * (linear_beta * torch.tanh(up / linear_beta))).to(x.dtype)
+
+
+class AutomodelK3MoE(nn.Module):
+    """NeMo AutoModel's Kimi K3 ``KimiK3MoE`` (inference, no expert parallelism), the whole
+    layer on ``[B, S, H]``: ``reshape(-1, H)``; an fp32 sigmoid router with a correction
+    bias, top-2 of 4; ``routed_expert_down_proj`` into the latent; the experts (SiTU, in
+    the latent) made dense, each token's top-k outputs gathered, weighted in fp32
+    (``.type(fp32).mul_(w).sum(1).type(dtype)``); ``routed_expert_norm`` (HF-style) and
+    ``routed_expert_up_proj``; the SiTU shared expert (``cat`` of gate and up) added; the
+    sum viewed back to ``[B, S, H]``."""
+
+    experts, topk, inter = 4, 2, 24
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_weight = nn.Parameter(torch.ones(self.experts, H))
+        self.correction_bias = nn.Parameter(torch.zeros(self.experts))
+        self.routed_expert_down_proj = nn.Linear(H, LATENT, bias=False)
+        self.gate_and_up_projs = nn.Parameter(torch.ones(self.experts, LATENT, 2 * self.inter))
+        self.down_projs = nn.Parameter(torch.ones(self.experts, self.inter, LATENT))
+        self.routed_expert_norm = HFRMSNorm(LATENT, eps=1e-5)
+        self.routed_expert_up_proj = nn.Linear(LATENT, H, bias=False)
+        self.shared_gate_proj = nn.Linear(H, 2 * H, bias=False)
+        self.shared_up_proj = nn.Linear(H, 2 * H, bias=False)
+        self.shared_down_proj = nn.Linear(2 * H, H, bias=False)
+        _init(self)
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        identity = hidden_states.reshape(-1, shape[-1])
+        scores = F.linear(identity.float(), self.gate_weight.float()).sigmoid()
+        idx = (scores + self.correction_bias.float().unsqueeze(0)).topk(self.topk, dim=-1)[1]
+        w = scores.gather(1, idx)
+        w = w / w.sum(dim=-1, keepdim=True)
+        x = self.routed_expert_down_proj(identity)
+        outs = torch.stack([_situ(x @ self.gate_and_up_projs[e]) @ self.down_projs[e]
+                            for e in range(self.experts)], dim=1)  # [T, E, L]
+        picked = outs.gather(1, idx.unsqueeze(-1).expand(-1, -1, LATENT))  # [T, K, L]
+        routed = picked.type(w.dtype).mul_(w.unsqueeze(-1)).sum(dim=1).type(x.dtype)
+        output = self.routed_expert_up_proj(self.routed_expert_norm(routed))
+        shared = torch.cat((self.shared_gate_proj(identity), self.shared_up_proj(identity)), dim=-1)
+        output = output + self.shared_down_proj(_situ(shared))
+        return output.view(shape)
 
 
 class _V4Norm(nn.Module):
@@ -1759,6 +2186,36 @@ ENTRIES: list[Entry] = [
           HFDots1QKNorm, "not MLA: Qwen3-style per-head q/k norms of two projections of one "
           "hidden state, one dual norm by design", {QKV: 1},
           pairs=[frozenset({"q_norm.weight", "k_norm.weight"})]),
+    Entry("megatron_bridge_k3_mla", _src("NVIDIA-NeMo/Megatron-Bridge",
+                                         "src/megatron/bridge/models/kimi/kimi_k3_layers.py",
+                                         "067f987df03b8355b03192d88d70f1709fedf51a"),
+          MegatronBridgeK3MLA, "[S, B, H] used as it is, (out, bias) linears unpacked by a "
+          "helper, square().mean norms eps 1e-5, NoPE key slice expanded, sigmoid gate",
+          {QKV: 1}, inputs_kind="seq_first",
+          pairs=[frozenset({"q_a_layernorm.weight", "kv_a_layernorm.weight"})]),
+    Entry("torchtune_latent_linear", _src("pytorch/torchtune",
+                                          "torchtune/models/deepseek_v3/_attention.py",
+                                          "7d3c95e111df6730bb92b8ce431f61f2c2b68812"),
+          TorchtuneLatentLinear, "each norm inside a LatentLinear (a, norm, b), weight named "
+          "scale applied after type_as, q/k assembled in new_empty buffers", {QKV: 1},
+          pairs=[frozenset({"q_proj.norm.scale", "kv_proj.norm.scale"})]),
+    Entry("torchtune_no_q_lora", _src("pytorch/torchtune",
+                                      "torchtune/models/deepseek_v3/_attention.py",
+                                      "7d3c95e111df6730bb92b8ce431f61f2c2b68812"),
+          TorchtuneNoQLora, "near relative: q_lora_rank None (q_proj a plain Linear), the kv "
+          "norm alone", {QKV: 0}),
+    Entry("automodel_dspark_context_kv", _src(
+        "NVIDIA-NeMo/Automodel", "nemo_automodel/components/speculative/dspark/draft_kimi_k3.py",
+        "36044ad3d139363fb6c73c24af2e7c6b65ec52f6"),
+          AutomodelDSparkK3Attention, "near relative: q latent of the draft block, kv latent of "
+          "cat([context, block]) -- projections of two activations, T and 2T rows", {QKV: 0},
+          inputs_kind="draft"),
+    Entry("vllm_deepseek_mtp", _src("vllm-project/vllm",
+                                    "vllm/model_executor/models/deepseek_mtp.py",
+                                    "4f7c14402630b97c8c078523fca8edef287ed2cf"),
+          VllmDeepseekMTP, "MTP: masked embeddings, eh_proj(cat(enorm, hnorm)), then a "
+          "decoder block: input norm, fused-projection MLA, residual-add norm", {QKV: 1},
+          inputs_kind="mtp", pairs=[frozenset({"q_a_layernorm.weight", "kv_a_layernorm.weight"})]),
     # ---------------------------------------------------------------- latent MoE
     Entry("vllm_latent_tail", _src("vllm-project/vllm", "vllm/models/kimi_k3/nvidia/model.py",
                                    "006193b5a9a7957c11bc6472588f951e778072b5"),
@@ -1782,6 +2239,29 @@ ENTRIES: list[Entry] = [
           {QKV: 1, TAIL: 1}, inputs_kind="mtp",
           pairs=[frozenset({"q_norm.weight", "kv_norm.weight"})],
           tails=[("hnorm.weight", "h_proj.weight")]),
+    Entry("megatron_bridge_k3_tail", _src("NVIDIA-NeMo/Megatron-Bridge",
+                                          "src/megatron/bridge/models/kimi/kimi_k3_layers.py",
+                                          "067f987df03b8355b03192d88d70f1709fedf51a"),
+          MegatronBridgeK3Tail, "shared computed first, square().mean norm eps 1e-5, "
+          "(out, bias) fc2_latent_proj unpacked, output + shared", {TAIL: 1},
+          inputs_kind="moe", tails=[("routed_expert_norm.weight", "fc2_latent_proj.weight")]),
+    Entry("torchtitan_k3_latent_moe", _src("pytorch/torchtitan", "torchtitan/models/kimi_k3/moe.py",
+                                           "41447a4330a6dae131f7765598c1756bc9969d52"),
+          TorchtitanK3LatentMoE, "the whole layer on [T, H]: router, routed_down, dense "
+          "experts in the latent, nn.RMSNorm eps 1e-5, routed_up, shared computed after",
+          {TAIL: 1}, inputs_kind="tokens", tails=[("routed_norm.weight", "routed_up.weight")]),
+    Entry("megatron_bridge_gemma4_post_norm", _src(
+        "NVIDIA-NeMo/Megatron-Bridge", "src/megatron/bridge/models/gemma/modeling_gemma4.py",
+        "067f987df03b8355b03192d88d70f1709fedf51a"),
+          MegatronBridgeGemma4PostNorm, "near relative: norm(fc2_latent_proj(latent)) + "
+          "norm(shared), the norm after the up-projection", {}, inputs_kind="moe"),
+    Entry("automodel_k3_moe", _src("NVIDIA-NeMo/Automodel",
+                                   "nemo_automodel/components/models/kimi_k3/model.py",
+                                   "36044ad3d139363fb6c73c24af2e7c6b65ec52f6"),
+          AutomodelK3MoE, "the whole layer on reshape(-1, H): fp32 router, top-k expert "
+          "outputs weighted in fp32 and cast, HF norm eps 1e-5, SiTU shared expert, the sum "
+          "viewed back to [B, S, H]", {TAIL: 1},
+          tails=[("routed_expert_norm.weight", "routed_expert_up_proj.weight")]),
 ]
 
 BY_NAME = {e.name: e for e in ENTRIES}

@@ -123,7 +123,8 @@ KINDS = {"attn_res": [e for e in ENTRIES if e.fused.get("attn_res")],
 #: way). A stale entry here costs time only: the checks are the same in any group.
 RESTARTS_DYNAMIC = {"vllm_test_reference", "fla_naive", "catswe_paper_form",
                     "megatron_loop_read", "deepseek_v32_indexer", "deepseek_v3_cache_write",
-                    "megatron_core_mla", "torchtitan_deepseek_v3", "rocm_megatron_k3_gated_mla"}
+                    "megatron_core_mla", "torchtitan_deepseek_v3", "rocm_megatron_k3_gated_mla",
+                    "torchtitan_k3_latent_moe"}
 #: Entries per side-by-side graph: a dynamic compile's time grows faster than its graph
 #: (one graph of 20 AttnRes entries took 56 s, alone at the end of a CI run); groups of
 #: this many compile in parallel workers instead (6 per group cost 30 s more in all).
