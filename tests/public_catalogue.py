@@ -658,6 +658,205 @@ class ZefanTwoQueriesOneStack(nn.Module):
         return partial
 
 
+class _RootDivNorm(nn.Module):
+    """attention-residuals' (Edward-Zion-Saji) key norm: no weight, ``x / x.pow(2).mean(-1,
+    keepdim=True).add(eps).sqrt()`` in the model dtype."""
+
+    def __init__(self, eps: float = EPS) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return x / x.pow(2).mean(dim=-1, keepdim=True).add(self.eps).sqrt()
+
+
+class SourcesOnDimTwo(nn.Module):
+    """attention-residuals' (Edward-Zion-Saji) ``BlockAttnRes.compute_all_inputs``: the
+    sublayer outputs of a plain residual pass first, then every sublayer's input read from
+    them: sources ``torch.stack(..., dim=2)`` ``[B, T, N, D]``, one shared parameter-free key
+    norm (``x / sqrt(mean(x^2) + eps)``), the query a row of a ``[sublayers, D]`` parameter,
+    ``(k * w).sum(-1)``, ``torch.softmax(-1)``, the mix ``(p.unsqueeze(-1) * v).sum(dim=2)``.
+    A block of 2 sublayers; its first read takes the completed blocks only (no partial),
+    the first of all the embedding alone (a site over one source: the weighted-sum mix
+    stays in the graph, as fast-attnres'). The second pass's sublayer
+    outputs are summed here (the demo model's loop keeps only its last read live)."""
+
+    layers, block = 4, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
+        self.queries = nn.Parameter(torch.ones(2 * self.layers, H))
+        self.key_norm = _RootDivNorm()
+        _init(self)
+
+    def _inputs(self, outputs, emb):
+        reprs, partial, inputs = [emb], None, []
+        for n, out in enumerate(outputs):
+            i = n % self.block
+            v = torch.stack(reprs + ([partial] if i > 0 and partial is not None else []), dim=2)
+            scores = (self.key_norm(v) * self.queries[n]).sum(dim=-1)
+            alpha = torch.softmax(scores, dim=-1)
+            inputs.append((alpha.unsqueeze(-1) * v).sum(dim=2))
+            partial = out if partial is None else partial + out
+            if i + 1 >= self.block:
+                reprs, partial = reprs + [partial], None
+        return inputs
+
+    def forward(self, x):
+        outputs, h = [], x
+        for sub in self.subs:  # the plain residual pass that yields the sublayer outputs
+            a = sub.attention(h)
+            m = sub.mlp(h + a)
+            outputs += [a, m]
+            h = h + a + m
+        inputs = self._inputs(outputs, x)
+        return sum(sub.attention(inputs[2 * i]) + sub.mlp(inputs[2 * i + 1])
+                   for i, sub in enumerate(self.subs))
+
+
+class TwoPhaseOnlineMerge(SourcesOnDimTwo):
+    """attention-residuals' (Edward-Zion-Saji) ``BlockAttnRes.two_phase_block`` (the paper's
+    two-phase inference, its Algorithm 1), over the same precomputed sublayer outputs as
+    ``SourcesOnDimTwo``: per block, phase 1 scores every layer's query against the completed
+    blocks in one einsum ``'btnd,sd->btsn'`` and spells the softmax out (``max``, ``exp``,
+    ``sum``, ``lse = m + log(sum)``), mixing with ``einsum('btsn,btnd->btsd', exp / sum,
+    v)``; phase 2 merges each later layer's read with the partial (one source: output the
+    partial, statistics its logit) by the online-softmax rule ``(o1 * e1 + o2 * e2) / (e1 +
+    e2)``. The function is AttnRes's, but no read is one softmax over its own sources: a
+    block's first read is a slice of a softmax batched over the block's queries, the later
+    ones merge two partial softmaxes. A miss (nothing fuses; eager's graph is left)."""
+
+    def _inputs(self, outputs, emb):
+        reprs, inputs = [emb], []
+        for start in range(0, len(outputs), self.block):
+            v = torch.stack(reprs, dim=2)
+            k = self.key_norm(v)
+            scores = torch.einsum("btnd,sd->btsn", k, self.queries[start:start + self.block])
+            m1 = scores.max(dim=-1, keepdim=True).values
+            exp1 = torch.exp(scores - m1)
+            sum1 = exp1.sum(dim=-1, keepdim=True)
+            lse1 = m1 + torch.log(sum1)
+            o1 = torch.einsum("btsn,btnd->btsd", exp1 / sum1, v)
+            partial = None
+            for i in range(self.block):
+                if i == 0:
+                    inputs.append(o1[:, :, 0, :])
+                else:
+                    s2 = (self.key_norm(partial) * self.queries[start + i]).sum(-1, keepdim=True)
+                    m = torch.maximum(m1[:, :, i, :], s2)
+                    e1, e2 = torch.exp(lse1[:, :, i, :] - m), torch.exp(s2 - m)
+                    inputs.append((o1[:, :, i, :] * e1 + partial * e2) / (e1 + e2))
+                out = outputs[start + i]
+                partial = out if partial is None else partial + out
+            reprs = reprs + [partial]
+        return inputs
+
+
+class _WeightTimesQuotientNorm(nn.Module):
+    """attnres (Da1sypetals)' key norm: ``weight * (x / x.pow(2).mean(-1, keepdim=True)
+    .add(eps).sqrt())`` in the model dtype."""
+
+    def __init__(self, dim: int, eps: float = EPS) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x / x.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt())
+
+
+class ZeroPartialSource(nn.Module):
+    """attnres (Da1sypetals)' ``AttnResAggregator``: the README's step (``stack(blocks +
+    [partial], 0)``, einsum ``'d, s b t d -> s b t'`` with a bare ``[D]`` pseudo-query,
+    ``softmax(dim=0)``, einsum mix) with the key norm ``weight * (x / sqrt(...))``; the
+    partial starts as ``torch.zeros_like(x)`` and restarts so after each block boundary, so
+    the read that opens a block takes an all-zero source (its key is 0, its logit 0); the
+    last block never closes; a final read. The sublayer pre-norms are the key norm's
+    class, as there. (The source's final norm of the last read, the same bf16 class, is
+    left out: it amplified the eager bf16 module's own rounding -- max error 0.31 at a
+    scale of 4 against fp64, T = 64 -- past the compile test's compiled-vs-eager bound,
+    the compiled output being the closer to fp64.)"""
+
+    layers, n_blocks = 3, 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        n = 2 * self.layers + 1
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
+        self.pseudo_queries = nn.ParameterList(nn.Parameter(torch.zeros(H)) for _ in range(n))
+        self.key_norms = nn.ModuleList(_WeightTimesQuotientNorm(H) for _ in range(n))
+        self.sub_norms = nn.ModuleList(_WeightTimesQuotientNorm(H) for _ in range(2 * self.layers))
+        _init(self)
+        with torch.no_grad():  # queries as _init makes a Linear(H, 1)'s: logits of std ~3
+            for q in self.pseudo_queries:
+                q.sub_(1).mul_(10 / H ** 0.5)
+
+    def _res(self, blocks, partial, i):
+        V = torch.stack(blocks + [partial], dim=0)
+        logits = torch.einsum("d, s b t d -> s b t", self.pseudo_queries[i], self.key_norms[i](V))
+        return torch.einsum("s b t, s b t d -> b t d", logits.softmax(dim=0), V)
+
+    def forward(self, x):
+        per_block = 2 * self.layers // self.n_blocks
+        boundaries = {k * per_block - 1 for k in range(1, self.n_blocks)}
+        blocks, partial = [x], torch.zeros_like(x)
+        for i, sub in enumerate(self.subs):
+            for j, f in enumerate((sub.attention, sub.mlp)):
+                s = 2 * i + j
+                partial = partial + f(self.sub_norms[s](self._res(blocks, partial, s)))
+                if s in boundaries:
+                    blocks, partial = blocks + [partial], torch.zeros_like(partial)
+        return self._res(blocks, partial, 2 * self.layers)
+
+
+class RawSublayerSource(nn.Module):
+    """attnres (Sohailm25)'s ``BlockAttnResTinyLM``: ``torch.nn.RMSNorm`` keys (eps None:
+    the dtype's machine epsilon) on ``torch.stack(tuple(sources), 0)``, einsum
+    ``'d,sbtd->sbt'`` with a bare ``[D]`` query, ``torch.softmax(logits, dim=0)``, einsum
+    mix. One block per layer: the pre-attention read takes ``[embed] + completed``, the
+    pre-MLP read those and the attention sublayer's *raw output* (no running partial), and
+    the completed block is ``attn_out + mlp_out`` (no prefix); a final read, then a final
+    norm. Layer 0's pre-attention read is over the embedding alone (no contraction)."""
+
+    layers = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        n = self.layers
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(n))
+        self.attn_norms = nn.ModuleList(nn.RMSNorm(H) for _ in range(n))
+        self.mlp_norms = nn.ModuleList(nn.RMSNorm(H) for _ in range(n))
+        self.attn_res_norms = nn.ModuleList(nn.RMSNorm(H) for _ in range(n))
+        self.mlp_res_norms = nn.ModuleList(nn.RMSNorm(H) for _ in range(n))
+        self.attn_queries = nn.ParameterList(nn.Parameter(torch.zeros(H)) for _ in range(n))
+        self.mlp_queries = nn.ParameterList(nn.Parameter(torch.zeros(H)) for _ in range(n))
+        self.final_res_norm = nn.RMSNorm(H)
+        self.final_query = nn.Parameter(torch.zeros(H))
+        self.final_norm = nn.RMSNorm(H)
+        _init(self)
+        with torch.no_grad():  # queries as _init makes a Linear(H, 1)'s: logits of std ~3
+            for q in [*self.attn_queries, *self.mlp_queries, self.final_query]:
+                q.sub_(1).mul_(10 / H ** 0.5)
+
+    @staticmethod
+    def _route(sources, query, norm):
+        stacked = torch.stack(tuple(sources), dim=0)
+        alpha = torch.softmax(torch.einsum("d,sbtd->sbt", query, norm(stacked)), dim=0)
+        return torch.einsum("sbt,sbtd->btd", alpha, stacked)
+
+    def forward(self, x):
+        completed = []
+        for i, sub in enumerate(self.subs):
+            pre_attn = [x] + completed
+            h = self._route(pre_attn, self.attn_queries[i], self.attn_res_norms[i])
+            attn_out = sub.attention(self.attn_norms[i](h))
+            h = self._route(pre_attn + [attn_out], self.mlp_queries[i], self.mlp_res_norms[i])
+            completed.append(attn_out + sub.mlp(self.mlp_norms[i](h)))
+        h = self._route([x] + completed, self.final_query, self.final_res_norm)
+        return self.final_norm(h)
+
+
 # ---------------------------------------------------------------- AttnRes near relatives
 
 
@@ -869,6 +1068,42 @@ class FullRMSAggregate(nn.Module):
             v_list.append(sub.attention(self.pre_norms[2 * i](self._res(v_list, 2 * i))))
             v_list.append(sub.mlp(self.pre_norms[2 * i + 1](self._res(v_list, 2 * i + 1))))
         return self._res(v_list, 2 * self.layers)
+
+
+class InPlaceRecencyBias(nn.Module):
+    """attention-residuals-reproduction's ``block_attn_res`` (Qwen3 converted to Block
+    AttnRes): HF Qwen3 RMSNorm keys, ``proj.weight.view(-1)``, einsum logits, then
+    ``logits[-1] = logits[-1] + recency_bias`` written in place before ``softmax(dim=0)``.
+    The bias makes it another softmax: must not fuse (a matcher that read the einsum's
+    output past the in-place write would drop the bias)."""
+
+    layers, per_block = 3, 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList(_Sublayers() for _ in range(self.layers))
+        self.res_projs = nn.ModuleList(nn.Linear(H, 1, bias=False) for _ in range(2 * self.layers))
+        self.res_norms = nn.ModuleList(HFRMSNorm(H) for _ in range(2 * self.layers))
+        self.res_bias = nn.ParameterList(nn.Parameter(torch.tensor(3.0))
+                                         for _ in range(2 * self.layers))
+        self.final_norm = HFRMSNorm(H)
+        _init(self)
+
+    def _res(self, blocks, partial, i):
+        V = torch.stack(blocks + [partial], dim=0)
+        logits = torch.einsum("d, n b t d -> n b t", self.res_projs[i].weight.view(-1),
+                              self.res_norms[i](V))
+        logits[-1] = logits[-1] + self.res_bias[i]
+        return torch.einsum("n b t, n b t d -> b t d", logits.softmax(dim=0), V)
+
+    def forward(self, x):
+        blocks, partial = [x], x
+        for i, sub in enumerate(self.subs):
+            partial = partial + sub.attention(self._res(blocks, partial, 2 * i))
+            partial = partial + sub.mlp(self._res(blocks, partial, 2 * i + 1))
+            if (i + 1) % self.per_block == 0:
+                blocks = blocks + [partial]
+        return self.final_norm(partial)
 
 
 # =============================================================== MLA fronts
@@ -2096,6 +2331,32 @@ ENTRIES: list[Entry] = [
           MegatronLoopRead, "Megatron-LM AttnRes fork's torch reference: [S, B, H], per-source "
           "model-dtype key norms and einsum logits, mix out = out + p[d] * v, rms_block state",
           {ATTN: 8}, inputs_kind="seq_first", attn_res_blocks=[1, 1, 1, 1, 2, 2, 2, 2]),
+    Entry("sources_on_dim_two", _src("Edward-Zion-Saji/attention-residuals",
+                                     "attnres/core/block_attn_res.py",
+                                     "325945262b7ed7ea00fb7b3403f6db90dd226e7f"),
+          SourcesOnDimTwo, "sources stacked on dim 2 ([B, T, N, D]), one shared weightless "
+          "x / sqrt(mean(x^2) + eps) key norm, (k * w).sum(-1), torch.softmax(-1), mix "
+          "(p.unsqueeze(-1) * v).sum(dim=2); reads over completed blocks only at a block start",
+          {ATTN: 8}, attn_res_blocks=[0, 1, 1, 2, 2, 3, 3, 4]),
+    Entry("two_phase_online_merge", _src("Edward-Zion-Saji/attention-residuals",
+                                         "attnres/core/block_attn_res.py",
+                                         "325945262b7ed7ea00fb7b3403f6db90dd226e7f"),
+          TwoPhaseOnlineMerge, "the paper's two-phase inference: one einsum scores every layer "
+          "of a block against the completed blocks, the softmax spelled out (max, exp, sum, "
+          "log-sum-exp), each later read an online-softmax merge with the partial. AttnRes's "
+          "function, a miss: no read is one softmax over its own sources (a slice of a "
+          "batched-query softmax, or a merge of two; too big for the matcher as it stands)",
+          {ATTN: 0}),
+    Entry("zero_partial_source", _src("Da1sypetals/attnres", "train_attnres_gpt.py",
+                                      "447353239b85a122085b74cc92db5ebf65cf8e3a"),
+          ZeroPartialSource, "key norm weight * (x / sqrt(mean(x^2) + eps)), bare [D] query, "
+          "'s'-labelled einsums, the partial a zeros_like source at each block start",
+          {ATTN: 7}, attn_res_blocks=[1, 1, 2, 2, 3, 3, 3]),
+    Entry("raw_sublayer_source", _src("Sohailm25/attnres", "validation/attnres_reproduction.py",
+                                      "450018e0658d517d0df9fa2f75c4741a6ac8b3c1"),
+          RawSublayerSource, "nn.RMSNorm keys (eps None), torch.softmax(logits, dim=0), the "
+          "pre-MLP read's newest source the raw attention output, completed block attn_out + "
+          "mlp_out", {ATTN: 6}, attn_res_blocks=[1, 1, 2, 2, 3, 3]),
     Entry("scaled_logits", _src("sunnyang1/Adaptive-Deep-Networks", "src/attnres/block_attnres.py",
                                 "2a631bc0b5977ce1adff48f44bc73fd4ac80c272"),
           ScaledLogits, "near relative: logits / sqrt(H)", {ATTN: 0}),
@@ -2109,6 +2370,11 @@ ENTRIES: list[Entry] = [
                                         "7a1ee06d8cd06dbd9f9ef6e45d00758c179908a4"),
           FullRMSAggregate, "near relative: the keys mixed instead of the sources "
           "(full_rms_aggregate)", {ATTN: 0}),
+    Entry("in_place_recency_bias", _src("gouzigouzi/attention-residuals-reproduction",
+                                        "modeling_attnres.py",
+                                        "b4d6c7a36eb67cd218f114e0b4974a3010495a94"),
+          InPlaceRecencyBias, "near relative: logits[-1] = logits[-1] + bias written in place "
+          "before the softmax", {ATTN: 0}),
     # ---------------------------------------------------------------- MLA
     Entry("hf_deepseek_v3", _src("huggingface/transformers",
                                  "src/transformers/models/deepseek_v3/modeling_deepseek_v3.py",
