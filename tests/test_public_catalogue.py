@@ -84,20 +84,29 @@ def check_sites(entry: Entry, calls: K3Calls, dtype: torch.dtype) -> None:
     assert blocks == entry.expected(dtype)[1], blocks
 
 
+#: Input draws whose errors are pooled for the accuracy check: at 10 token rows one draw's
+#: mean error swings by 0.6-1.4x between draws through a bf16 model of several layers (the
+#: fused sites and default Inductor alike), three keep the check off a lucky seed.
+ACCURACY_SEEDS = (1, 2, 3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
 def test_entry_fuses_its_sites_and_is_as_accurate_as_eager(entry, dtype):
     model = entry.build().eval()
     ref_model = copy.deepcopy(model).double()
     model = model.to(dtype)
-    args = entry.inputs(5, dtype)
     be = CaptureBackend()
     compiled = torch.compile(model, backend=be, fullgraph=True)
+    ref, eager, out = [], [], []
     with torch.no_grad():
-        ref = ref_model(*(a.double() for a in args))
-        eager = model(*args)
-        with spec_path():
-            out = compiled(*args)
+        for seed in ACCURACY_SEEDS:  # one compile, the errors pooled over the draws
+            args = entry.inputs(5, dtype, seed=seed)
+            ref.append(ref_model(*(a.double() for a in args)))
+            eager.append(model(*args))
+            with spec_path():
+                out.append(compiled(*args))
+    assert be.compiles == 1
     calls = K3Calls(be, model)
     assert _fused_counts(entry) == entry.expected(dtype)[0]
     check_sites(entry, calls, dtype)
