@@ -193,6 +193,10 @@ K3_SHAPED = {
     "vllm_fused_projection": ({}, None),
     "sglang_absorb_contiguous": ({}, None),
     "vllm_latent_tail": ({}, None),
+    "megatron_bridge_k3_mla": ({}, None),
+    "megatron_bridge_k3_tail": ({}, None),
+    "torchtitan_k3_latent_moe": ({}, None),
+    "automodel_k3_moe": ({}, None),
 }
 
 
