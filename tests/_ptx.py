@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-__all__ = ["run_compile_script", "hopper_ptx", "hopper_ptxs", "assert_pdl_order", "SEPARATOR"]
+__all__ = ["run_compile_script", "hopper_ptx", "hopper_ptxs", "assert_pdl_order"]
 
 #: printed between the PTX of two compiles of one script (one interpreter start, about 2 s
 #: of importing torch and triton, for several compiles)
@@ -36,7 +36,7 @@ def run_compile_script(script: str, what: str, timeout_s: float = 300.0) -> str:
 def hopper_ptx(kernel: str, what: str, const: dict, *, pointers: dict | None = None,
                num_warps: int = 4) -> str:
     """The sm_90 PTX of ``kernel`` (``"module:name"``) with the constexprs ``const``
-    (ints and bools). Other parameters: ``pointers.get(name)`` or ``*bf16`` for
+    (ints and bools). Other parameters: ``pointers[name]`` where given, else ``*bf16`` for
     ``*_ptr``, fp32 for ``*eps``, i32 for the rest (no alignment hints)."""
     return hopper_ptxs(kernel, what, [const], pointers=pointers, num_warps=num_warps)[0]
 
@@ -54,8 +54,9 @@ from {module} import {name} as k
 pointers = {pointers or {}!r}
 names = [p.name for p in k.params]
 for i, const in enumerate({list(consts)!r}):
-    sig = {{n: "constexpr" if n in const else pointers.get(n, "*bf16") if n.endswith("_ptr")
-           else "fp32" if n.endswith("eps") else "i32" for n in names}}
+    sig = {{n: "constexpr" if n in const else pointers[n] if n in pointers
+           else "*bf16" if n.endswith("_ptr") else "fp32" if n.endswith("eps") else "i32"
+           for n in names}}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={{(names.index(n),): v for n, v in const.items()}})
     if i:

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from _gloo import run_ranks
-from _ptx import SEPARATOR, run_compile_script
+from _ptx import hopper_ptxs
 from k3fusion import moe_tail, reference
 from k3fusion.config import get_config
 from k3fusion.kernels.moe_tail_symm import (PeerBuffers, channel_programs, one_shot_all_reduce_pair,
@@ -472,25 +472,6 @@ def test_one_shot_kernel_single_rank():
 
 # ============================================================================ sm_90 code
 
-_PTX_CHECK = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from k3fusion.kernels.moe_tail_symm import _one_shot_pair_kernel as k
-names = [p.name for p in k.params]
-for i, WORLD in enumerate(WORLDS):
-    const = dict(WORLD=WORLD, WORLD_P2=triton.next_power_of_2(WORLD), BLOCK=1024,
-                 GPU_FENCE=True)
-    types = dict(buf_ptrs="*i64", pad_ptrs="*i64", s_ptr="*fp32", so_ptr="*fp32")
-    sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
-           for n in names}
-    src = ASTSource(fn=k, signature=sig,
-                    constexprs={(names.index(n),): v for n, v in const.items()})
-    if i:
-        print(SEPARATOR)
-    print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
-"""
-
 #: one compile per world size, all in one interpreter (each start imports torch and triton)
 BARRIER_WORLDS = (1, 3, 8)
 
@@ -501,10 +482,11 @@ def test_barrier_compiles_for_hopper():
     and check each PTX holds one system-scope release CAS (put, barrier in), one acquire
     CAS (wait, barrier in), two relaxed ones (barrier out), CTA barriers, and L2-only
     loads of the peers' tiles."""
-    out = run_compile_script(f"WORLDS = {BARRIER_WORLDS!r}\nSEPARATOR = {SEPARATOR!r}\n"
-                             + _PTX_CHECK, "the one-shot kernel")
-    ptxs = out.split(SEPARATOR + "\n")
-    assert len(ptxs) == len(BARRIER_WORLDS), len(ptxs)
+    ptxs = hopper_ptxs(
+        "k3fusion.kernels.moe_tail_symm:_one_shot_pair_kernel", "the one-shot kernel",
+        [dict(WORLD=w, WORLD_P2=1 << (w - 1).bit_length(), BLOCK=1024, GPU_FENCE=True)
+         for w in BARRIER_WORLDS],
+        pointers=dict(buf_ptrs="*i64", pad_ptrs="*i64", s_ptr="*fp32", so_ptr="*fp32"))
     for world, ptx in zip(BARRIER_WORLDS, ptxs, strict=True):
         _check_barrier_ptx(ptx, world)
 
