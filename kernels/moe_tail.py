@@ -107,6 +107,7 @@ def _moe_tail_kernel(
     NORMED_IN: tl.constexpr = False,   # x_ptr holds the GEMM input h (a norm launch's output)
     COPY_REST: tl.constexpr = False,   # extra programs copy shared's other H_FULL - H columns
     REST_BLOCK: tl.constexpr = 16,     # columns a COPY_REST program copies
+    RMS_IN_LOOP: tl.constexpr = False, # sum of squares in the main loop, 1/rms in the epilogue
 ):
     if PDL:
         # Launched while the prologue launch still runs: wait for it (and, through it, for
@@ -143,6 +144,8 @@ def _moe_tail_kernel(
     # step would then wait a full L2 round trip before the weight stream even starts.
     if NORMED_IN:
         inv_rms = 0.0  # the rows arrive normalized, weighted and rounded: nothing to do
+    elif RMS_IN_LOOP:
+        inv_rms = 0.0  # the sum of squares rides along with the main loop
     elif INV_RMS_IN:
         # Computed once per row by a prologue launch: no program re-reads the rows for it,
         # so split-K can spread the weight stream over every SM without a prologue each.
@@ -175,6 +178,8 @@ def _moe_tail_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if RMS_IN_LOOP:
+        sq_loop = tl.zeros([BLOCK_M], dtype=tl.float32)  # (a 2-D one: 128 registers at 64 rows)
     # Pipelined explicitly: Triton pipelines a loop with a dot by itself (at the launch's
     # num_stages, the same depth), but not the GEMV form's dot-free loop.
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -184,6 +189,13 @@ def _moe_tail_kernel(
         if NORMED_IN:
             # Straight from memory into the dot: no per-program work on the token tile.
             a = x
+        elif RMS_IN_LOOP:
+            # The row's sum of squares rides along with the weight stream (every program
+            # sees all of L: SPLIT_K == 1); 1/rms is a per-row scale applied after the dot.
+            w = tl.load(w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            x32 = x.to(tl.float32)
+            sq_loop += tl.sum(x32 * x32, axis=1)
+            a = (x32 * w[None, :]).to(up_ptr.dtype.element_ty)
         else:
             w = tl.load(w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             normed = x.to(tl.float32) * inv_rms[:, None]
@@ -222,6 +234,8 @@ def _moe_tail_kernel(
             acc = tl.trans(tl.sum(acc3, axis=2))
     elif SWAP_AB:
         acc = tl.trans(acc)
+    if RMS_IN_LOOP:
+        acc = acc * _inv_rms(sq_loop, row_mask, L, eps)[:, None]
 
     out_mask = row_mask[:, None] & col_mask[None, :]
     # ---- 3. epilogue.
@@ -304,6 +318,9 @@ class LaunchConfig:
     #: into a ``[T, L]`` buffer in ``up_w``'s dtype; the tail kernel is then a GEMM + add on
     #: it, its token tiles going straight from memory into the dot.
     normed_rows: bool = False
+    #: One launch, no norm prologue: each program sums the squares of the rows while it
+    #: streams its weights and scales its outputs by 1/rms (needs split_k 1).
+    rms_in_loop: bool = False
 
 
 def block_m_for(tokens: int, gemv: bool = False) -> int:
@@ -420,7 +437,7 @@ def _check_option(name: str, value, *, power_of_two: bool = False, low: int = 1,
 def resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, num_warps=0,
                    num_stages=0, split_k=0, norm_block_k=0,
                    swap_ab=None, gemv=None, prenorm=None, block_m=0,
-                   m_first=None, pdl=None, normed_rows=None) -> LaunchConfig:
+                   m_first=None, pdl=None, normed_rows=None, rms_in_loop=None) -> LaunchConfig:
     """The launch config for these sizes: :func:`pick_launch_config`'s, with each nonzero
     (or non-None) argument overriding its field after a range check."""
     _check_option("block_n", block_n, power_of_two=True, low=1, high=256)
@@ -442,8 +459,12 @@ def resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, 
     if swap_ab and gemv:
         raise ValueError("swap_ab=True orders a tensor-core dot's operands; gemv=True has no "
                          "dot: ask for one or the other")
+    if rms_in_loop and (prenorm or normed_rows or pdl):
+        raise ValueError("rms_in_loop=True is the one-launch form: it takes no prenorm, "
+                         "normed_rows or pdl")
     asked = (any((block_n, block_k, num_warps, num_stages, split_k, norm_block_k, block_m))
-             or any(v is not None for v in (swap_ab, gemv, prenorm, m_first, pdl, normed_rows)))
+             or any(v is not None for v in (swap_ab, gemv, prenorm, m_first, pdl, normed_rows,
+                                            rms_in_loop)))
     if swap_ab is not None and gemv is None:
         gemv = False  # a dot operand order asked for (either one): the dot form
     auto = pick_launch_config(tokens, hidden, latent, dtype, num_sms(device), gemv)
@@ -458,6 +479,13 @@ def resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, 
     k_blocks = cdiv(latent, block_k)
     split = split_k or auto.split_k
     split = cdiv(k_blocks, cdiv(k_blocks, split))
+    if rms_in_loop and dtype == torch.float16:
+        # x * w is rounded before 1/rms scales it: fp16's range could overflow there.
+        raise ValueError("rms_in_loop=True takes bf16 or fp32 weights, not float16 (x * w "
+                         "is rounded before the norm's scale: it could overflow in fp16)")
+    if rms_in_loop and split != 1:
+        raise ValueError(f"rms_in_loop=True needs split_k=1 (each program sees all of L), "
+                         f"got split_k={split}")
     block_n = block_n or auto.block_n
     num_stages = num_stages or auto.num_stages
     if auto.gemv:
@@ -481,7 +509,7 @@ def resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, 
                         norm_block_k=norm_block_k or auto.norm_block_k,
                         swap_ab=swap_ab, gemv=auto.gemv, prenorm=bool(prenorm),
                         block_m=block_m, m_first=bool(m_first), pdl=bool(pdl),
-                        normed_rows=bool(normed_rows))
+                        normed_rows=bool(normed_rows), rms_in_loop=bool(rms_in_loop))
 
 
 # ---------------------------------------------------------------------- arguments
@@ -605,6 +633,7 @@ def latent_moe_tail_fused(
     m_first: bool | None = None,
     pdl: bool | None = None,
     normed_rows: bool | None = None,
+    rms_in_loop: bool | None = None,
     out: torch.Tensor | None = None,
     column_offset: int | None = None,
 ) -> torch.Tensor:
@@ -629,7 +658,8 @@ def latent_moe_tail_fused(
     buffer the launch also copies the other columns (no copy launch of its own).
     """
     for name, flag in (("swap_ab", swap_ab), ("gemv", gemv), ("prenorm", prenorm),
-                       ("m_first", m_first), ("pdl", pdl), ("normed_rows", normed_rows)):
+                       ("m_first", m_first), ("pdl", pdl), ("normed_rows", normed_rows),
+                       ("rms_in_loop", rms_in_loop)):
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
     if isinstance(block_m, bool) or not isinstance(block_m, int):
@@ -651,7 +681,8 @@ def latent_moe_tail_fused(
     out = out.narrow(1, column_offset or 0, hidden)
     cfg = resolve_config(tokens, hidden, latent, up_w.dtype, routed_latent.device, block_n,
                           block_k, num_warps, num_stages, split_k, norm_block_k,
-                          swap_ab, gemv, prenorm, block_m, m_first, pdl, normed_rows)
+                          swap_ab, gemv, prenorm, block_m, m_first, pdl, normed_rows,
+                          rms_in_loop)
     if tokens == 0:
         return out_full
     interpreted = routed_latent.device.type == "cpu"
@@ -721,6 +752,7 @@ def latent_moe_tail_fused(
         NORMED_IN=cfg.normed_rows,
         COPY_REST=rest > 0,
         REST_BLOCK=rest_block,
+        RMS_IN_LOOP=cfg.rms_in_loop,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_kw,

@@ -213,7 +213,8 @@ def latent_tail_exact_and_bound(xs: torch.Tensor, ss: torch.Tensor, norm_w: torc
     return s + h @ up.T, bound
 
 
-def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool, norm_dtype=None):
+def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool, norm_dtype=None,
+                   scaled_after: bool = False):
     """``(reference, per-element bound)`` for the kernel's output (float64, on the CPU).
 
     Kernel: ``K = rnd(y')``, ``y' = s + P'`` -- one rounding of the fp32 sum of the shared
@@ -248,6 +249,13 @@ def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool, norm_d
     tile term is nearly attained, as the dual norm's bound is), 0.66 fp16, 0.17 fp32. A
     missing or doubled shared add, a wrong column, eps, split or weight is off by far
     more (and the formulation is pinned exactly by the selection-matrix test below).
+
+    ``scaled_after``: the kernel's GEMM input is ``h' = r * rnd(x * w)`` (``rms_in_loop``:
+    1/rms ``r`` applied after the dot) instead of the reference's rounded normalized row.
+    In 16-bit, ``rnd(x * w)`` is off by at most ``ulp(x w)/2`` and ``r ulp(x w) <= 2
+    ulp(h)``, the reference's own one or two roundings at most ``1.5 ulp(h)``: ``c = 3``
+    (6 where the interpreter truncates, every rounding error doubled). An fp32 GEMM input
+    is not rounded there, so the norm kernels' bound holds.
     """
     # The spec evaluated on the CPU (fp32-accumulated GEMMs; cuBLAS may reduce bf16
     # partial sums in bf16, which this bound does not cover).
@@ -263,6 +271,8 @@ def tail_tolerance(x, s, w, eps, up, weight_in_fp32, *, truncating: bool, norm_d
     # A norm_dtype cast rounds the normalized row as a norm of that dtype would.
     c_h, h_ulp_dtype = dual_norm_tolerance(norm_dtype or x.dtype, w.dtype, weight_in_fp32,
                                            bf16_casts_truncate=truncating)
+    if scaled_after and up.dtype != torch.float32:
+        c_h, h_ulp_dtype = (6.0 if truncating else 3.0), up.dtype
     cpu = dict(device="cpu", dtype=torch.float64)
     up_abs = up.to(**cpu).abs()
     mag = h.to(**cpu).abs() @ up_abs.T

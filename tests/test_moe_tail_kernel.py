@@ -144,7 +144,8 @@ def run_and_check(c: Case, seed: int, launch_opts: dict | None = None, device: s
         assert torch.equal(a, b), f"{name} was modified"
     assert y.is_contiguous() and y.device == x.device
     ref, bound = tail_tolerance(x, s, w, c.eps, up, c.weight_in_fp32,
-                                truncating=device == "cpu")
+                                truncating=device == "cpu",
+                                scaled_after=bool((launch_opts or {}).get("rms_in_loop")))
     assert_within(y, ref, bound, f"{c} {launch_opts}")
     return y
 
@@ -246,6 +247,41 @@ def test_prenorm_and_row_tiles_match_reference(c, opts, seed):
     run_and_check(c, seed, opts)
 
 
+IN_LOOP = st.fixed_dictionaries({
+    "block_m": st.sampled_from([0, 16, 32]),
+    "block_n": st.sampled_from([0, 16, 32]),
+    "block_k": st.sampled_from([16, 32, 64]),
+    "swap_ab": st.sampled_from([None, False, True]),
+    "gemv": st.sampled_from([None, False, True]),
+})
+
+
+@settings(max_examples=40, deadline=None)
+@given(c=cases(tokens=st.sampled_from([0, 1, 2, 5, 16, 17, 33, 70])), opts=IN_LOOP,
+       seed=st.integers(0, 2**31 - 1))
+@example(c=Case(17, 129, 70, torch.bfloat16, False, False, 1e-6, -6, 8, 1, 3, True),
+         opts={"block_m": 0, "block_n": 32, "block_k": 16, "swap_ab": True, "gemv": None},
+         seed=0)  # the swapped dot, a zero row, masks on every side
+@example(c=Case(5, 100, 48, torch.bfloat16, True, True, 0.0, 6, 0, 0, 0, True),
+         opts={"block_m": 0, "block_n": 16, "block_k": 32, "swap_ab": None, "gemv": True},
+         seed=1)  # GEMV, eps 0 and a zero row: NaN as in the reference
+@example(c=Case(70, 72, 40, torch.float32, False, False, 1e-5, 0, 1, 0, 0, False),
+         opts={"block_m": 32, "block_n": 16, "block_k": 16, "swap_ab": False, "gemv": None},
+         seed=2)  # fp32, three row tiles
+def test_sum_of_squares_in_the_loop_matches_reference(c, opts, seed):
+    """``rms_in_loop``: one launch, each program summing the rows' squares while it
+    streams its weights and scaling its outputs by 1/rms after the dot -- the reference
+    within the bound of a GEMM input ``r * rnd(x * w)`` (``tail_tolerance(scaled_after)``).
+    fp16 weights are refused (below)."""
+    if c.out_dtype == torch.float16 or c.x_dtype == torch.float16:
+        c = replace(c, x_dtype=torch.bfloat16)
+    if c.tokens > MAX_TOKENS and not opts["block_m"]:
+        opts = {**opts, "block_m": 32}
+    if opts["gemv"] and opts["swap_ab"]:
+        opts = {**opts, "swap_ab": None}
+    run_and_check(c, seed, {**opts, "rms_in_loop": True, "split_k": 1})
+
+
 def _scratch_spy(monkeypatch) -> list[torch.Tensor]:
     """The split-K counters each launch allocates (``_launch.launch_scratch``)."""
     made = []
@@ -325,12 +361,23 @@ def test_row_inv_rms_prologue_matches_reference_norm():
     ({"prenorm": True, "normed_rows": True}, ValueError, "two prologue forms"),
     ({"pdl": True}, ValueError, "needs prenorm=True or normed_rows=True"),
     ({"m_first": "yes"}, TypeError, "m_first must be a bool"),
+    ({"rms_in_loop": 1}, TypeError, "rms_in_loop must be a bool"),
+    ({"rms_in_loop": True, "normed_rows": True}, ValueError, "one-launch form"),
+    ({"rms_in_loop": True, "prenorm": True}, ValueError, "one-launch form"),
+    ({"rms_in_loop": True, "split_k": 2, "block_k": 16}, ValueError, "needs split_k=1"),
 ])
 def test_row_tiled_option_errors(opts, exc, match):
     x, s, w, up = make_inputs(Case(4, 32, 16, torch.bfloat16, False, False, 1e-6, 0, 0, 0, 0,
                                    False), 0)
     with pytest.raises(exc, match=match):
         launch(x, s, w, 1e-6, up, **opts)
+
+
+def test_sum_of_squares_in_the_loop_refuses_fp16():
+    c = Case(4, 32, 16, torch.float16, False, False, 1e-6, 0, 0, 0, 0, False)
+    x, s, w, up = make_inputs(c, 0)
+    with pytest.raises(ValueError, match="rms_in_loop=True takes bf16 or fp32"):
+        launch(x, s, w, 1e-6, up, rms_in_loop=True)
 
 
 def test_more_than_max_tokens_needs_row_tiles():
@@ -1103,16 +1150,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3fusion.kernels.moe_tail import _moe_tail_kernel as k
 names = [p.name for p in k.params]
-for split, swap, gemv, rest in ((1, False, 0, 0), (4, False, 0, 0), (1, True, 0, 0),
-                               (2, True, 0, 0), (1, False, 1, 0), (3, False, 1, 0),
-                               (1, False, 4, 0), (1, False, 1, 1), (4, True, 0, 1)):
+for split, swap, gemv, rest, loop in (
+        (1, False, 0, 0, 0), (4, False, 0, 0, 0), (1, True, 0, 0, 0), (2, True, 0, 0, 0),
+        (1, False, 1, 0, 0), (3, False, 1, 0, 0), (1, False, 4, 0, 0), (1, False, 1, 1, 0),
+        (4, True, 0, 1, 0), (1, True, 0, 0, 1), (1, False, 0, 0, 1)):
     const = dict(BLOCK_M=gemv or 16, BLOCK_N=(8 if rest else 32) if gemv else 64,
                  BLOCK_K=64 if gemv == 4 else 256,
                  NORM_BLOCK_K=512, SPLIT_K=split, SWAP_AB=swap,
                  GEMV=bool(gemv), NUM_STAGES=3 if gemv else 4, WEIGHT_IN_FP32=False,
                  DOT_IN_FP32=False, GPU_FENCE=True, NORM_DTYPE=triton.language.bfloat16,
                  INV_RMS_IN=False, M_FIRST=False, PDL=False, NORMED_IN=bool(rest),
-                 COPY_REST=bool(rest), REST_BLOCK=512)
+                 COPY_REST=bool(rest), REST_BLOCK=512, RMS_IN_LOOP=bool(loop))
     ptrs = {"ws_ptr": "*fp32", "lock_ptr": "*i32", "rinv_ptr": "*fp32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n == "eps" else "i32" for n in names}
@@ -1127,15 +1175,16 @@ for split, swap, gemv, rest in ((1, False, 0, 0), (4, False, 0, 0), (1, True, 0,
 @pytest.mark.slow
 def test_gpu_variants_compile_for_hopper():
     """The GPU-only code (the tensor-core dot in both operand orders, the split-K fences
-    and counters, the GEMV form, the column shard's copy programs) compiles for sm_90 on any
-    machine: the interpreter never builds it. The GEMV form has no tensor-core
-    instruction."""
+    and counters, the GEMV form, the column shard's copy programs, the sums of squares in
+    the main loop) compiles for sm_90 on any machine: the interpreter never builds it. The
+    GEMV form has no tensor-core instruction."""
     out = run_compile_script(_PTX_CHECK, "the fused tail kernel")
     lines = out.split("\n")
     assert [x for x in lines if x] == [
         "1 False 0 True True", "4 False 0 True True", "1 True 0 True True",
         "2 True 0 True True", "1 False 1 False True", "3 False 1 False True",
-        "1 False 4 False True", "1 False 1 False True", "4 True 0 True True"], out
+        "1 False 4 False True", "1 False 1 False True", "4 True 0 True True",
+        "1 True 0 True True", "1 False 0 True True"], out
 
 
 _PTX_CHECK_ISSUE17 = """
@@ -1177,7 +1226,7 @@ for bm, bn, bk, split, swap, mfirst, pdl, normed, nw, ns in (
                  NORM_DTYPE=triton.language.bfloat16, INV_RMS_IN=not normed, M_FIRST=mfirst,
                  PDL=pdl, NORMED_IN=normed,
                  # the column shard's form: split-K after a norm launch, the rest copied
-                 COPY_REST=normed and split > 1, REST_BLOCK=256)
+                 COPY_REST=normed and split > 1, REST_BLOCK=256, RMS_IN_LOOP=False)
     c = build(k, const, ptrs, nw, ns)
     ptx = c.asm["ptx"]
     print(bm, bn, "wgmma" in ptx and "cp.async" in ptx, ("griddepcontrol.wait" in ptx) == pdl,

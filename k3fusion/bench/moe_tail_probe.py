@@ -40,9 +40,9 @@ AUTOTUNE_TOKENS = (1, 16, 64, 512, 4096)
 #: ``--quick``'s T: 32 / 48 / 64 bracket the fused kernel's selection limit; 8 / 16 the
 #: switch of cuBLAS's GEMM kernel between 8 and 16 rows (18.5 -> 15.9 us).
 QUICK_TOKENS = (1, 4, 8, 16, 32, 48, 64, 512, 4096)
-#: ``--quick``'s fused-kernel forms: the norm-launch default (2-32 token rows) and the PDL
-#: 1/rms prologue form it replaced.
-QUICK_CANDIDATES = ("normed_pdl_n64", "pdl_n64_s1")
+#: ``--quick``'s fused-kernel forms: the norm-launch default (2-32 token rows), the PDL
+#: 1/rms prologue form it replaced, and the one-launch sum of squares in the main loop.
+QUICK_CANDIDATES = ("normed_pdl_n64", "pdl_n64_s1", "loop_n64", "loop_n64_k128_st6")
 LATENT, HIDDEN = 3584, 7168
 EPS = 1e-6
 #: Rows checked per T (spread over all row tiles).
@@ -69,6 +69,12 @@ def candidates(t: int) -> dict[str, dict]:
         # The rows normalized by a norm launch, the kernel a GEMM + add on them (the default
         # at 2-32 rows), at 64 rows too.
         c["normed_pdl_n64"] = dict(normed_rows=True, pdl=True, block_n=64)
+        # One launch, no prologue: the rows' sums of squares ride along with the weight
+        # stream, 1/rms scales the dot's output (its GEMM input is rnd(x * w), not the
+        # reference's rounded normalized row).
+        c["loop_n64"] = dict(rms_in_loop=True, block_n=64, split_k=1)
+        c["loop_n64_k128_st6"] = dict(rms_in_loop=True, block_n=64, split_k=1, block_k=128,
+                                      num_stages=6)
         # Split-K without the prologue launch (each program its own prologue), for contrast.
         c["own_n64_s4"] = dict(prenorm=False, block_n=64, split_k=4)
         if t == 1:
