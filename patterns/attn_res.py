@@ -78,6 +78,9 @@ class AttnResSite:
     #: 0 sources-first (``torch.stack(blocks + [partial])``); the op reads a tensor bank
     #: through a view moving it to -2, in place.
     src_dim: int = -1
+    #: The prefix source as the sources hold it, with a size-1 dim at ``src_dim``
+    #: (``h.view(-1, 1, H).float()`` cat'ed to a bank): the op reads ``prefix.squeeze(d)``.
+    prefix_unit_dim: int | None = None
 
     @property
     def round_dropped(self) -> bool:
@@ -489,6 +492,24 @@ def _projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     return keys, proj_w, nodes + more
 
 
+def _unit_moved(logits: object) -> list[int | None] | None:
+    """``Linear(H, 1)(keys)`` (``[..., S, 1]``) permuted with only its unit projection dim
+    moved (``scores.transpose(1, 2)`` -> ``[T, 1, S]``, transformers' Kimi K3): per logits
+    dim, the keys' leading dim it is (None for the projection's unit dim); None for any
+    other node. The other dims keep their order, so the logits are the keys' leading dims
+    with a size-1 dim inserted."""
+    if not is_op(logits, aten.permute.default):
+        return None
+    view, perm = logits.args[0], [int(d) for d in logits.args[1]]
+    n = val(view).dim() - 1
+    if not (is_op(view, *RESHAPES) and n >= 1 and _one(val(view).shape[-1])):
+        return None
+    kept = [d for d in perm if d != n]
+    if kept != sorted(kept) or perm[-1] == n:
+        return None
+    return [d if d != n else None for d in perm]
+
+
 def _linear_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     """``Linear(H, 1)`` of the keys, squeezed (or its ``[M, 1]`` output reshaped straight to
     the leading dims, ``.reshape(T, R)``) -> (keys, proj weight param, nodes). Keys normed
@@ -502,6 +523,9 @@ def _linear_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     elif is_op(logits, *RESHAPES) and val(logits.args[0]).dim() == 2 \
             and same_size(val(logits.args[0]).shape[-1], 1):
         view, leading = logits, tuple(val(logits).shape)
+    elif _unit_moved(logits) is not None:  # [..., S, 1] with the 1 moved: match_attn_res maps
+        view = logits.args[0]
+        leading = tuple(val(view).shape[:-1])
     else:
         raise NoMatch("logits are not a squeezed projection")
     product = matmul_operands(view.args[0])
@@ -680,7 +704,8 @@ def _is_source(operand: object, sources: Node, x32: Node) -> list[Node]:
     raise NoMatch("softmax weights do not scale the sources")
 
 
-def _mix(div: Node, sources: Node, x32: Node, sd: int) -> tuple[Node, list[Node]]:
+def _mix(div: Node, sources: Node, x32: Node, sd: int,
+         pmap: list[int | None] | None = None) -> tuple[Node, list[Node]]:
     """``sum(p[..., None] * sources, sd)`` or ``einsum('s..., s...h -> ...h', p, V)``
     (cast back if computed in fp32; an fp32 mix of 16-bit sources is returned as it is:
     see ``AttnResSite.round_dropped``) -> (mixed, nodes)."""
@@ -693,7 +718,9 @@ def _mix(div: Node, sources: Node, x32: Node, sd: int) -> tuple[Node, list[Node]
             raise NoMatch(f"softmax weights rounded to {p.args[1]}")
         nodes.append(p)
         p = only_user(p)
-    if is_op(p, aten.unsqueeze.default) and _dim_is(p, p.args[1], -1):
+    if pmap is not None:  # the weights' dims are not the sources' (one of them moved)
+        total, more = _contraction_mix(p, sources, x32, sd, pmap)
+    elif is_op(p, aten.unsqueeze.default) and _dim_is(p, p.args[1], -1):
         weighted = only_user(p)
         if is_op(weighted, _MUL):
             total, more = _mul_sum_mix(p, weighted, sources, x32, sd)
@@ -734,7 +761,8 @@ def _mul_sum_mix(p: Node, weighted: Node, sources: Node, x32: Node, sd: int):
     return total, nodes + [p, weighted, total]
 
 
-def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
+def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int,
+                     pmap: list[int | None] | None = None):
     """The mix as an einsum lowers it: views of p and the sources into one bmm/mm whose
     inner dim is the source dim, viewed back to the sources' layout without it."""
     chain = [p] if is_op(p, *LAYOUT_OPS) else []
@@ -766,8 +794,11 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
     def canon(group):
         return tuple(a[1] for a in group)
 
+    def canon_p(group):  # the weights' dims in the sources' numbering
+        return tuple(a[1] if pmap is None else pmap[a[1]] for a in group)
+
     (pa, pl, pc), (va, vl, vc) = (sides[0], sides[1]) if named[0] == "p" else (sides[1], sides[0])
-    if not (canon(pl[2]) == (sd,) and canon(vl[2]) == (sd,) and canon(pl[0]) == canon(vl[0])
+    if not (canon_p(pl[2]) == (sd,) and canon(vl[2]) == (sd,) and canon_p(pl[0]) == canon(vl[0])
             and pl[1] == () and canon(vl[1]) == (r - 1,)
             and all(a[0] is pa for g in pl for a in g) and all(a[0] is va for g in vl for a in g)):
         raise NoMatch("the contraction is not over the source dim, row by row")
@@ -790,7 +821,7 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int):
     if found is None:
         raise NoMatch("the contraction's result is not the sources' layout without the source dim")
     total, out_chain = found
-    if canon(pl[0]) != canon(vl[0]):
+    if canon_p(pl[0]) != canon(vl[0]):
         raise NoMatch("the contraction's result is not the sources' layout without the source dim")
     extra = [] if va is sources or va is x32 else _is_source(va, sources, x32)
     return total, chain + pc + vc + [product] + out_chain + extra
@@ -876,14 +907,21 @@ def _source_layout(sources: Node, sd: int
         if len(parts) != 2:
             raise NoMatch("tensor-bank sources are not [bank slice, prefix]")
         blocks, last = parts
-        if not (is_op(last, aten.unsqueeze.default) and _norm_dim(last, last.args[1]) == sd):
+        if is_op(last, aten.unsqueeze.default) and _norm_dim(last, last.args[1]) == sd:
+            prefix, last_nodes = last.args[0], [last]
+        elif _one(val(last).shape[sd]):
+            # any value with a size-1 dim there is the prefix with that dim inserted (a
+            # view ``h.view(-1, 1, H)``, its fp32 copy): the op reads ``last.squeeze(sd)``
+            # (``_prefix_in``); ``last`` itself stays, read by the op
+            prefix, last_nodes = last, []
+        else:
             raise NoMatch("last source is not the prefix")
         n = int(val(blocks).shape[sd])
         if is_op(blocks, aten.slice.Tensor):
-            bank, nodes = _bank_slice(blocks, sd), [sources, blocks, last]
+            bank, nodes = _bank_slice(blocks, sd), [sources, blocks, *last_nodes]
         else:  # the slice of the whole bank was simplified away
-            bank, nodes = blocks, [sources, last]
-        return last.args[0], None, _older_bank_version(bank, n, sd), n, nodes
+            bank, nodes = blocks, [sources, *last_nodes]
+        return prefix, None, _older_bank_version(bank, n, sd), n, nodes
     # a preallocated bank holding the prefix in its slot n: bank[n] = prefix; bank[:n + 1]
     written, nodes = sources, []
     if is_op(sources, aten.slice.Tensor):
@@ -1045,13 +1083,23 @@ def match_attn_res(div: Node) -> AttnResSite:
         return _match_per_source(div, stacked, sd, nodes + shift_nodes + ([logits] if raw
                                                                            is not logits else []))
     sources, norm_w, eps, x32, key_nodes = _key_norm(keys)
-    if val(keys).dim() != val(logits).dim() + 1:  # rows normed flat, logits reshaped back
+    # logits permuted with the projection's unit dim moved: their dims -> the keys' dims
+    pmap = _unit_moved(logits.args[0] if is_op(logits, _CAST) and logits.args[1] == torch.float32
+                       else logits)
+    if pmap is not None and val(keys).dim() == val(logits).dim():
+        if pmap[sd] is None:
+            raise NoMatch("softmax over the projection's unit dim")
+        sd = pmap[sd]
+    elif val(keys).dim() != val(logits).dim() + 1:  # rows normed flat, logits reshaped back
+        pmap = None
         sources, flat_nodes = _flattened_rows(sources, logits)
         key_nodes += flat_nodes
+    else:
+        pmap = None
     r = val(sources).dim()
     if sd >= r - 1:
         raise NoMatch("softmax over the hidden dim, not the sources")
-    mixed, mix_nodes = _mix(div, sources, x32, sd)
+    mixed, mix_nodes = _mix(div, sources, x32, sd, pmap)
     prefix, blocks, bank, n, source_nodes = _source_layout(sources, sd)
     nodes += shift_nodes + proj_nodes + key_nodes + mix_nodes + source_nodes
 
@@ -1059,7 +1107,9 @@ def match_attn_res(div: Node) -> AttnResSite:
     if val(proj_w).numel() != width or (norm_w is not None and val(norm_w).shape[0] != width):
         raise NoMatch("weights do not match the hidden width")
     rest = tuple(s for i, s in enumerate(val(sources).shape) if i != sd)
-    if tuple(val(prefix).shape) != rest or dtype_of(prefix) != dtype_of(sources):
+    unit_dim = sd if val(prefix).dim() == r else None  # the prefix as the sources hold it
+    shape = tuple(s for i, s in enumerate(val(prefix).shape) if i != unit_dim)
+    if shape != rest or dtype_of(prefix) != dtype_of(sources):
         raise NoMatch("prefix shape or dtype differs from the sources")
     if bank is not None and (val(bank).dim() != r or dtype_of(bank) != dtype_of(sources)
                              or tuple(s for i, s in enumerate(val(bank).shape) if i != sd)
@@ -1071,7 +1121,8 @@ def match_attn_res(div: Node) -> AttnResSite:
         inner, user = leaks[0]
         raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
     return AttnResSite(prefix=prefix, blocks=blocks, bank=bank, num_blocks=n, norm_w=norm_w,
-                       proj_w=proj_w, eps=eps, mixed=mixed, nodes=nodes, src_dim=sd)
+                       proj_w=proj_w, eps=eps, mixed=mixed, nodes=nodes, src_dim=sd,
+                       prefix_unit_dim=unit_dim)
 
 
 def _delta_of(prefix: Node) -> tuple[Node, Node] | None:
@@ -1146,7 +1197,7 @@ def _plan(graph: Graph, site: AttnResSite, by_input: dict[Node, RMSNormMatch],
     if site.round_dropped and out_norm is None:
         raise NoMatch(f"the mix stays fp32 (not rounded to {dtype_of(site.prefix)}) into "
                       "something other than an RMSNorm of its rounding")
-    handoff = _delta_of(site.prefix)
+    handoff = _delta_of(site.prefix) if site.prefix_unit_dim is None else None
     older = site.blocks if site.blocks is not None else [site.bank]
     if handoff and any(depends_on(b, [site.prefix]) for b in older):
         # The updated prefix is also an older source (``blocks.append(partial)`` before the
@@ -1175,7 +1226,9 @@ def _plan(graph: Graph, site: AttnResSite, by_input: dict[Node, RMSNormMatch],
         proj = fake_call(aten.view.default, (site.proj_w, [val(site.proj_w).shape[-1]]))
         norm_w = (site.norm_w if site.norm_w is not None
                   else val(plan.prefix_in).new_ones([_width(site)]))  # what _unit_weight builds
-        fake_call(torch.ops.k3fusion.attn_res.default, _op_args(plan, bank, proj, norm_w))
+        prefix = (plan.prefix_in if site.prefix_unit_dim is None
+                  else fake_call(aten.squeeze.dim, (plan.prefix_in, site.prefix_unit_dim)))
+        fake_call(torch.ops.k3fusion.attn_res.default, _op_args(plan, bank, proj, norm_w, prefix))
     except (TypeError, ValueError) as e:
         raise NoMatch(f"the fused op refuses these inputs: {e}") from None
     return plan
@@ -1193,11 +1246,11 @@ def _to_sources_last(site: AttnResSite) -> list[int]:
     return dims + [site.src_dim, r - 1]
 
 
-def _op_args(plan: _Rewrite, bank, proj, norm_w) -> tuple:
+def _op_args(plan: _Rewrite, bank, proj, norm_w, prefix) -> tuple:
     site, norm = plan.site, plan.out_norm
     eps, eps_t = eps_op_args(site.eps)
     out_eps, out_eps_t = eps_op_args(norm.eps) if norm else (1e-6, None)
-    return (plan.prefix_in, bank, site.num_blocks, norm_w, proj, eps, plan.delta,
+    return (prefix, bank, site.num_blocks, norm_w, proj, eps, plan.delta,
             norm.weight if norm else None, out_eps, norm.weight_in_fp32 if norm else False,
             eps_t, out_eps_t)
 
@@ -1218,8 +1271,11 @@ def _rewrite(graph: Graph, plan: _Rewrite, stacks: _BlockStacks) -> Node:
         norm_w = site.norm_w
         if norm_w is None:  # an unweighted key norm: weight 1
             norm_w = _unit_weight(graph, plan.prefix_in, _width(site))
+        prefix = plan.prefix_in
+        if site.prefix_unit_dim is not None:  # the prefix as the sources hold it: [.., 1, ..]
+            prefix = _call(graph, aten.squeeze.dim, (prefix, site.prefix_unit_dim))
         node = _call(graph, torch.ops.k3fusion.attn_res.default,
-                     _op_args(plan, bank, proj, norm_w))
+                     _op_args(plan, bank, proj, norm_w, prefix))
         results = [_call(graph, operator.getitem, (node, i)) for i in range(len(plan.outputs))]
     for old, new in zip(plan.outputs, results):
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in plan.erase)

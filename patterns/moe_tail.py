@@ -56,6 +56,9 @@ class MoETailSite:
     shared: Node | tuple        # a node, or (a, b) of the shared projection to rebuild
     group_name: str | None
     nodes: list[Node] = field(repr=False)   # what the op replaces (anchor included)
+    #: the view the graph put on the up-projection before the add, applied to the op's
+    #: result when the latent's rows are flat and the add's are not (``_flat_rows``)
+    out_view: Node | None = None
 
 
 def _through_views(node: object, chain: list[Node]) -> object:
@@ -153,6 +156,31 @@ def match_moe_tail(anchor: Node, by_out: dict[Node, RMSNormMatch]) -> MoETailSit
     raise NoMatch(why)
 
 
+def _flat_rows(anchor: Node, chain: list[Node], shared: Node,
+               lead: tuple) -> tuple[Node, Node]:
+    """A latent of flat ``[T, L]`` rows whose up-projection is viewed back (``[T, H] ->
+    [B, S, H]``) before the add with a shared value of the add's shape (transformers'
+    ``KimiK3MoE``: the experts' output is flat, the shared expert reads the unflattened
+    hidden state). Both operands are reshapes of ``[T, H]`` values to one shape, so row
+    for row the add is the op's ``shared + up(norm(latent))`` on ``[T, H]``: the op reads
+    the shared value's ``[T, H]`` base (through its views) and its result takes the
+    up-projection's outermost view. -> (that base, that view)."""
+    views = []
+    for n in chain:
+        if not is_op(n, *RESHAPES):
+            break
+        views.append(n)
+    base = shared
+    while tuple(val(base).shape[:-1]) != lead and is_op(base, *RESHAPES):
+        base = base.args[0]
+    width = val(shared).shape[-1]
+    if (not views or tuple(val(views[0]).shape) != tuple(val(anchor).shape)
+            or tuple(val(base).shape[:-1]) != lead or val(base).shape[-1] != width):
+        raise NoMatch(f"the shared value's rows {tuple(val(shared).shape[:-1])} are not the "
+                      f"routed latent's {lead} (nor a view of a value with its rows)")
+    return base, views[0]
+
+
 def _site(anchor, partner, mm, chain, norm_chain, wt, norm: RMSNormMatch) -> MoETailSite:
     up_w = _up_weight(wt)
     hidden, latent = val(up_w).shape
@@ -193,11 +221,14 @@ def _site(anchor, partner, mm, chain, norm_chain, wt, norm: RMSNormMatch) -> MoE
     if tuple(val(anchor).shape) != tuple(val(shared).shape):
         raise NoMatch(f"the add broadcasts: {tuple(val(shared).shape)} -> "
                       f"{tuple(val(anchor).shape)}")
+    out_view, lead = None, tuple(val(routed).shape[:-1])
+    if tuple(val(shared).shape[:-1]) != lead:
+        shared, out_view = _flat_rows(anchor, chain, shared, lead)
     leaks = external_users(nodes, anchor)
     if leaks:
         inner, user = leaks[0]
         raise NoMatch(f"intermediate {inner.name} is also read by {user.name}")
-    return MoETailSite(anchor, norm, up_w, routed, shared, group, nodes)
+    return MoETailSite(anchor, norm, up_w, routed, shared, group, nodes, out_view)
 
 
 def _op_args(site: MoETailSite, shared=None) -> tuple:
@@ -232,10 +263,12 @@ def _plan(site: MoETailSite) -> list:
         out = fake_call(torch.ops.k3fusion.latent_moe_tail.default, _op_args(site, shared))
     except (TypeError, ValueError) as e:
         raise NoMatch(f"the fused op refuses these inputs: {e}") from None
-    want = val(site.anchor)
-    if out.dtype != want.dtype or tuple(out.shape) != tuple(want.shape):
+    want = tuple(val(site.anchor).shape)
+    if site.out_view is not None:  # the op gives the latent's rows; the view, the add's
+        want = tuple(val(site.routed).shape[:-1]) + want[-1:]
+    if out.dtype != val(site.anchor).dtype or tuple(out.shape) != want:
         raise NoMatch(f"the op would give {out.dtype}{tuple(out.shape)}, the graph has "
-                      f"{want.dtype}{tuple(want.shape)}")
+                      f"{val(site.anchor).dtype}{want}")
     return size_reads
 
 
@@ -270,6 +303,9 @@ def fuse_moe_tail(graph: Graph, norms: list[RMSNormMatch]) -> FusionResult:
                 if isinstance(site.shared, tuple):
                     shared = insert_call(graph, aten.mm.default, site.shared)
                 node = _insert_tail(graph, site, shared)
+                if site.out_view is not None:  # the graph's own view, on the op's result
+                    node = insert_call(graph, site.out_view.target,
+                                       (node, *site.out_view.args[1:]), dict(site.out_view.kwargs))
         except NoMatch as e:
             misses.append(_miss(anchor, str(e)))
             continue

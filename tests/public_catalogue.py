@@ -2245,6 +2245,299 @@ class AnshlerV4MTP(nn.Module):
         return F.linear(self.norm(partial).float(), self.head)
 
 
+# =============================================================== transformers' Kimi K3
+#
+# huggingface/transformers ``src/transformers/models/kimi_k3/modular_kimi_k3.py`` (the
+# only Kimi K3 file stored at that commit: no generated ``modeling_kimi_k3.py`` or
+# configuration to read; the model class and its loop over the layers are not in it).
+# The norms are ``KimiK3RMSNorm`` = ``LlamaRMSNorm`` (``HFRMSNorm``).
+
+HF_K3_EXPERTS, HF_K3_TOPK, HF_K3_INTER, HF_K3_SHARED = 4, 2, 24, 48
+HF_K3_SITU_BETA, HF_K3_SITU_LINEAR_BETA = 4.0, 25.0
+
+
+def _hf_k3_situ_and_mul(gate, up, beta=HF_K3_SITU_BETA, linear_beta=HF_K3_SITU_LINEAR_BETA):
+    """``situ_and_mul``: both halves upcast, ``up`` squashed first, one cast back."""
+    original_dtype = gate.dtype
+    gate = gate.to(torch.float32)
+    up = up.to(torch.float32)
+    if linear_beta is not None:
+        up = linear_beta * torch.tanh(up / linear_beta)
+    out = beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * up
+    return out.to(original_dtype)
+
+
+class _HFK3MLP(nn.Module):
+    """``KimiK3MLP``: SiTU gate/up/down (the dense layers' MLP and the shared expert)."""
+
+    def __init__(self, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(H, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(_hf_k3_situ_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class HFKimiK3GatedMLA(nn.Module):
+    """transformers' ``KimiK3GatedMLA`` on ``[B, S, H]``: ``q_b_proj(q_a_layernorm(q_a_proj(h)))``
+    viewed and transposed before the kv projection runs; ``torch.split`` of
+    ``kv_a_proj_with_mqa`` into the kv latent and the shared (un-rotated) key slice; both
+    norms ``KimiK3RMSNorm`` with the default eps 1e-6 (``config.rms_norm_eps`` is not
+    passed); ``expand_kv`` (``kv_b_proj``, view, transpose, split, ``k_pe.expand``, cat);
+    no rope; SDPA as transformers' ``sdpa_attention_forward`` calls it (causal when T > 1,
+    no mask, V narrower than Q); a full-rank ``output_gate_proj(h).sigmoid()`` gate. The head
+    sizes of the two head views and of the output reshape are written out where transformers
+    writes ``-1`` (``view(b, s, -1, d)`` cannot infer it from 0 elements: transformers' own
+    code raises on 0 tokens; at any other T the graphs are the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk_nope_head_dim, self.k_shared_head_dim, self.v_head_dim = NOPE, ROPE, V_DIM
+        self.qk_head_dim = NOPE + ROPE
+        self.q_a_proj = nn.Linear(H, Q_LORA, bias=False)  # attention_bias False
+        self.q_a_layernorm = HFRMSNorm(Q_LORA)
+        self.q_b_proj = nn.Linear(Q_LORA, N_HEADS * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, KV_LORA + ROPE, bias=False)
+        self.kv_a_layernorm = HFRMSNorm(KV_LORA)
+        self.kv_b_proj = nn.Linear(KV_LORA, N_HEADS * (NOPE + V_DIM), bias=False)
+        self.output_gate_proj = nn.Linear(H, N_HEADS * V_DIM, bias=False)
+        self.o_proj = nn.Linear(N_HEADS * V_DIM, H, bias=False)
+        self.scaling = self.qk_head_dim ** (-0.5)
+        _init(self)
+
+    def expand_kv(self, kv_nope, k_pe):
+        batch_size, seq_length, _ = kv_nope.shape
+        key_shape = (batch_size, seq_length, N_HEADS, self.qk_nope_head_dim + self.v_head_dim)
+        kv_nope = self.kv_b_proj(kv_nope).view(key_shape).transpose(1, 2)
+        kv_nope, value_states = torch.split(kv_nope, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_pe = k_pe.expand(*kv_nope.shape[:-1], -1)
+        key_states = torch.cat((kv_nope, k_pe), dim=-1)
+        return key_states, value_states
+
+    def _sdpa(self, query, key, value):  # transformers' sdpa_attention_forward, no mask
+        is_causal = query.shape[2] > 1
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                             scale=self.scaling, is_causal=is_causal)
+        return out.transpose(1, 2).contiguous()
+
+    def forward(self, hidden_states):
+        batch_size, seq_length = hidden_states.shape[:-1]
+        query_shape = (batch_size, seq_length, N_HEADS, self.qk_head_dim)
+        query_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        query_states = query_states.view(query_shape).transpose(1, 2)
+        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+        kv_nope, k_shared = torch.split(compressed_kv, [KV_LORA, self.k_shared_head_dim], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope)
+        k_shared = k_shared.view(batch_size, 1, seq_length, self.k_shared_head_dim)
+        key_states, value_states = self.expand_kv(kv_nope, k_shared)
+        attn_output = self._sdpa(query_states, key_states, value_states)
+        attn_output = attn_output.reshape(batch_size, seq_length, N_HEADS * V_DIM).contiguous()
+        gate = self.output_gate_proj(hidden_states).sigmoid()
+        attn_output = attn_output * gate
+        return self.o_proj(attn_output)
+
+
+class _HFK3TopkRouter(nn.Module):
+    """``DeepseekV3TopkRouter`` (the three-output form ``KimiK3MoE`` unpacks): fp32 logits,
+    sigmoid, the correction bias for the choice (one group: the group mask keeps every
+    expert), ``gather``, normalized (+ 1e-20), scaled."""
+
+    routed_scaling_factor = 2.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty((HF_K3_EXPERTS, H)))
+        self.register_buffer("e_score_correction_bias", torch.zeros(HF_K3_EXPERTS))
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.view(-1, H)
+        router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+        scores = router_logits.sigmoid()
+        scores_for_choice = scores.view(-1, HF_K3_EXPERTS) + self.e_score_correction_bias.unsqueeze(0)
+        topk_indices = torch.topk(scores_for_choice, k=HF_K3_TOPK, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_indices)
+        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        topk_weights /= denominator
+        topk_weights = topk_weights * self.routed_scaling_factor
+        return router_logits, topk_weights, topk_indices
+
+
+class _HFK3Experts(nn.Module):
+    """``KimiK3Experts`` (``DeepseekV4Experts`` in the latent: ``[E, 2I, L]`` / ``[E, L, I]``)
+    through transformers' ``batched_mm`` experts implementation (the compile-friendly one;
+    the eager loop's ``nonzero`` breaks a full graph): tokens ``repeat_interleave``d,
+    per-pair weights gathered, ``bmm``s, SiTU, the model-dtype output times the fp32 routing
+    weight, ``view(T, k, L).sum(1)``, cast back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = HF_K3_EXPERTS
+        self.gate_up_proj = nn.Parameter(torch.empty(HF_K3_EXPERTS, 2 * HF_K3_INTER, LATENT))
+        self.down_proj = nn.Parameter(torch.empty(HF_K3_EXPERTS, LATENT, HF_K3_INTER))
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return _hf_k3_situ_and_mul(gate, up)
+
+    @staticmethod
+    def _batched_linear(input, weight):
+        return torch.bmm(weight, input.unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        num_top_k = top_k_index.size(-1)
+        num_tokens = hidden_states.size(0)
+        hidden_dim = hidden_states.size(-1)
+        selected_hidden_states = hidden_states.repeat_interleave(num_top_k, dim=0)
+        sample_weights = top_k_weights.reshape(-1)
+        expert_ids = top_k_index.reshape(-1)
+        expert_ids = expert_ids.clamp(0, self.num_experts - 1)
+        proj_out = self._batched_linear(selected_hidden_states, self.gate_up_proj[expert_ids])
+        proj_out = self._apply_gate(proj_out)
+        proj_out = self._batched_linear(proj_out, self.down_proj[expert_ids])
+        weighted_out = proj_out * sample_weights.unsqueeze(-1)
+        final_hidden_states = weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+        return final_hidden_states.to(hidden_states.dtype)
+
+
+class HFKimiK3MoE(nn.Module):
+    """transformers' ``KimiK3MoE`` on ``[B, S, H]``: the router on the hidden state,
+    ``view(-1, H)``, ``routed_expert_down_proj`` into the latent, the experts there,
+    ``routed_expert_norm`` (``KimiK3RMSNorm``, ``config.rms_norm_eps``), ``routed_expert_up_proj``,
+    ``view(*orig_shape)`` *before* the shared expert's output (``KimiK3MLP`` of the unflattened
+    hidden state) is added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = _HFK3TopkRouter()
+        self.experts = _HFK3Experts()
+        self.shared_experts = _HFK3MLP(HF_K3_SHARED)
+        self.routed_expert_down_proj = nn.Linear(H, LATENT, bias=False)
+        self.routed_expert_norm = HFRMSNorm(LATENT, EPS)
+        self.routed_expert_up_proj = nn.Linear(LATENT, H, bias=False)
+        _init(self)
+
+    def forward(self, hidden_states):
+        residuals = hidden_states
+        orig_shape = hidden_states.shape
+        _, topk_weights, topk_indices = self.gate(hidden_states)
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        hidden_states = self.routed_expert_down_proj(hidden_states)
+        hidden_states = self.experts(hidden_states, topk_indices, topk_weights)
+        hidden_states = self.routed_expert_norm(hidden_states)
+        hidden_states = self.routed_expert_up_proj(hidden_states)
+        hidden_states = hidden_states.view(*orig_shape)
+        hidden_states = hidden_states + self.shared_experts(residuals)
+        return hidden_states
+
+
+class _HFK3AttentionResidual(nn.Module):
+    """``KimiK3AttentionResidual``: ``cat((block_residual, h.view(-1, 1, H).float()), 1)``, the
+    key norm (``KimiK3RMSNorm``) on the whole ``[T, N, H]`` stack, ``pseudo_queries``
+    (``Linear(H, 1)``) -> ``[T, N, 1]``, ``transpose(1, 2).softmax(-1)``, ``matmul(probs,
+    stack)``, ``squeeze(1)``, cast back, ``view(B, S, H)``. Both modules fp32
+    (``_keep_in_fp32_modules_strict``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pseudo_queries = nn.Linear(H, 1, bias=False)
+        self.attn_residual_norm = HFRMSNorm(H, eps=EPS)
+
+    def forward(self, hidden_states, block_residual):
+        batch_size, seq_len, hidden_size = hidden_states.shape
+        initial_dtype = hidden_states.dtype
+        hidden_states = hidden_states.view(-1, 1, hidden_size)
+        keys_or_values = torch.cat((block_residual, hidden_states.float()), dim=1)
+        normalized_keys = self.attn_residual_norm(keys_or_values)
+        scores = self.pseudo_queries(normalized_keys)
+        probs = scores.transpose(1, 2).softmax(-1)
+        hidden_states = torch.matmul(probs, keys_or_values)
+        hidden_states = hidden_states.squeeze(1)
+        return hidden_states.to(initial_dtype).view(batch_size, seq_len, hidden_size)
+
+
+class _HFK3KDAStandIn(nn.Module):
+    """Stands in for ``KimiK3DeltaAttention`` (a linear-attention layer: none of the three
+    chains is inside it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.o_proj = nn.Linear(H, H, bias=False)
+
+    def forward(self, hidden_states):
+        return torch.tanh(self.o_proj(hidden_states))
+
+
+class _HFK3DecoderLayer(nn.Module):
+    """``KimiK3DecoderLayer``: the pre-attention AttnRes read when the bank is not empty; at
+    a block start the layer's input (``residual``) appended to the fp32 bank
+    (``residual.view(-1, 1, H).float()``) and not added after attention; the post-attention
+    read always; ``input_layernorm`` / ``post_attention_layernorm`` on the reads' outputs;
+    the MLP's output added to the residual taken before the post-attention read."""
+
+    def __init__(self, layer_idx: int, attn: str, mlp: str, block_size: int) -> None:
+        super().__init__()
+        self.hidden_size = H
+        self.self_attn = HFKimiK3GatedMLA() if attn == "full_attention" else _HFK3KDAStandIn()
+        self.mlp = HFKimiK3MoE() if mlp == "sparse" else _HFK3MLP(2 * H)
+        self.input_layernorm = HFRMSNorm(H, eps=EPS)
+        self.post_attention_layernorm = HFRMSNorm(H, eps=EPS)
+        self.is_start_of_residual_block = layer_idx % block_size == 0
+        self.pre_attn_residual = _HFK3AttentionResidual()
+        self.post_attn_residual = _HFK3AttentionResidual()
+
+    def forward(self, hidden_states, block_residual):
+        residual = hidden_states
+        if block_residual.shape[1] > 0:
+            hidden_states = self.pre_attn_residual(hidden_states, block_residual)
+        if self.is_start_of_residual_block:
+            block_residual = torch.cat([block_residual, residual.view(-1, 1, self.hidden_size).float()], dim=1)
+            residual = None
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.self_attn(hidden_states)
+        if not self.is_start_of_residual_block:
+            hidden_states = hidden_states + residual
+        residual = hidden_states
+        hidden_states = self.post_attn_residual(hidden_states, block_residual)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = hidden_states + residual
+        return hidden_states, block_residual
+
+
+class HFKimiK3Decoder(nn.Module):
+    """transformers' Kimi K3 decoder layers in order (``KimiK3DecoderLayer`` with the gated
+    MLA, ``KimiK3MoE`` and ``KimiK3AttentionResidual`` above; KDA layers stood in for). The
+    model's loop is not in the file at this commit: here an empty fp32 ``[T, 0, H]`` bank,
+    the layers, the final norm; no read after the last layer (the file has none)."""
+
+    layers, block = 4, 2
+    layer_types = ("linear_attention", "full_attention")
+    mlp_layer_types = ("dense", "sparse")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder_layers = nn.ModuleList(
+            _HFK3DecoderLayer(i, self.layer_types[i % 2], self.mlp_layer_types[i % 2], self.block)
+            for i in range(self.layers))
+        self.norm = HFRMSNorm(H, eps=EPS)
+        _init(self)
+
+    def _apply(self, fn, recurse=True):  # _keep_in_fp32_modules_strict
+        return _keep_fp32(super()._apply(fn, recurse), *(
+            f"decoder_layers.{i}.{res}.{m}.weight" for i in range(self.layers)
+            for res in ("pre_attn_residual", "post_attn_residual")
+            for m in ("pseudo_queries", "attn_residual_norm")))
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        block_residual = hidden_states.new_zeros(b * s, 0, h, dtype=torch.float32)
+        for layer in self.decoder_layers:
+            hidden_states, block_residual = layer(hidden_states, block_residual)
+        return self.norm(hidden_states)
+
+
 def _src(repo, path, commit):
     return Source(repo, path, commit)
 
@@ -2528,6 +2821,32 @@ ENTRIES: list[Entry] = [
           "outputs weighted in fp32 and cast, HF norm eps 1e-5, SiTU shared expert, the sum "
           "viewed back to [B, S, H]", {TAIL: 1},
           tails=[("routed_expert_norm.weight", "routed_expert_up_proj.weight")]),
+    # ---------------------------------------------------------------- transformers' Kimi K3
+    Entry("hf_kimi_k3_gated_mla", _src("huggingface/transformers",
+                                       "src/transformers/models/kimi_k3/modular_kimi_k3.py",
+                                       "e6ffd1347cc61c22b7120d1b556101c6908ba12e"),
+          HFKimiK3GatedMLA, "KimiK3GatedMLA: q latent up-projected before the kv projection, "
+          "torch.split, HF norms eps 1e-6, expand_kv, no rope, SDPA, sigmoid output gate",
+          {QKV: 1}, pairs=[frozenset({"q_a_layernorm.weight", "kv_a_layernorm.weight"})]),
+    Entry("hf_kimi_k3_moe", _src("huggingface/transformers",
+                                 "src/transformers/models/kimi_k3/modular_kimi_k3.py",
+                                 "e6ffd1347cc61c22b7120d1b556101c6908ba12e"),
+          HFKimiK3MoE, "KimiK3MoE, the whole layer: fp32 sigmoid router, latent down-proj, "
+          "batched_mm experts (fp32-weighted sum, cast back), HF norm, up-proj viewed back to "
+          "[B, S, H], then + the SiTU shared expert", {TAIL: 1},
+          tails=[("routed_expert_norm.weight", "routed_expert_up_proj.weight")]),
+    Entry("hf_kimi_k3_decoder", _src("huggingface/transformers",
+                                     "src/transformers/models/kimi_k3/modular_kimi_k3.py",
+                                     "e6ffd1347cc61c22b7120d1b556101c6908ba12e"),
+          HFKimiK3Decoder, "four KimiK3DecoderLayers (KDA stand-in / gated MLA, dense / latent "
+          "MoE): fp32 [T, N, H] bank, AttnRes key norm on the cat'ed stack, Linear(H, 1) "
+          "pseudo-query, transpose(1, 2).softmax(-1), matmul mix, the layer norms after the reads",
+          {ATTN: 7, QKV: 2, TAIL: 2}, attn_res_blocks=[1, 1, 1, 1, 2, 2, 2],
+          pairs=[frozenset({f"decoder_layers.{i}.self_attn.q_a_layernorm.weight",
+                            f"decoder_layers.{i}.self_attn.kv_a_layernorm.weight"})
+                 for i in (1, 3)],
+          tails=[(f"decoder_layers.{i}.mlp.routed_expert_norm.weight",
+                  f"decoder_layers.{i}.mlp.routed_expert_up_proj.weight") for i in (1, 3)]),
 ]
 
 BY_NAME = {e.name: e for e in ENTRIES}

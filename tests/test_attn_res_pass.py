@@ -849,3 +849,69 @@ def test_fp32_einsum_mix_cast_back_at_one_token(tokens, dtype):
     assert count_op(be.graph_after, ATTN_RES) == 1
     bound = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.float(), expected.float(), **bound)
+
+
+class _TransposedLinearLogits(nn.Module):
+    """transformers' ``KimiK3AttentionResidual``: an fp32 ``[T, N, H]`` stack
+    ``cat((bank, h.view(-1, 1, H).float()), 1)``, the key norm on the whole stack,
+    ``Linear(H, 1)`` -> ``[T, N, 1]``, ``scores.transpose(1, 2).softmax(-1)`` (``[T, 1, N]``:
+    the projection's unit dim moved in front of the sources), ``matmul(probs, stack)``,
+    ``squeeze(1)``, cast back. ``near_miss``: the logits permuted so that the softmax runs
+    over the tokens (``"reordered"``: ``[1, N, T]``; ``"in_order"``: ``[1, T, N]``, softmax
+    over dim 1)."""
+
+    def __init__(self, near_miss: str | None = None) -> None:
+        super().__init__()
+        self.pseudo_queries = nn.Linear(H, 1, bias=False)
+        self.norm_weight = nn.Parameter(1 + 0.3 * torch.randn(H, generator=torch.Generator().manual_seed(3)))
+        self.near_miss = near_miss
+
+    def forward(self, hidden_states, block_residual):
+        b, s, h = hidden_states.shape
+        dtype = hidden_states.dtype
+        kv = torch.cat((block_residual, hidden_states.view(-1, 1, h).float()), dim=1)
+        x = kv.to(torch.float32)  # an HF RMSNorm of the fp32 stack (its weight fp32 too)
+        keys = self.norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + KEY_EPS)).to(kv.dtype)
+        scores = self.pseudo_queries(keys)  # fp32 (kept so in any model dtype)
+        if self.near_miss == "reordered":  # [1, N, T]: a softmax over the tokens
+            probs = scores.permute(2, 1, 0).softmax(-1)
+            return torch.matmul(probs, kv.transpose(0, 1)).squeeze(0).to(dtype)
+        if self.near_miss == "in_order":  # [1, T, N]: the unit dim moved, softmax over T
+            probs = scores.permute(2, 0, 1).softmax(1)
+            return (probs.squeeze(0).unsqueeze(-1) * kv).sum(0).to(dtype)
+        probs = scores.transpose(1, 2).softmax(-1)
+        return torch.matmul(probs, kv).squeeze(1).to(dtype).view(b, s, h)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_logits_transposed_before_the_softmax_fused(tokens, dtype):
+    """``Linear(H, 1)(keys).transpose(1, 2).softmax(-1)`` and ``matmul(probs, sources)``
+    (transformers' Kimi K3): the transpose moves only the projection's unit dim, so the
+    logits are the keys' leading dims and the softmax is over the sources. A miss until
+    2026-12-06 ("logits are not a squeezed projection")."""
+    model = _TransposedLinearLogits()
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(2, tokens, H, generator=g).to(dtype)
+    bank = (torch.randn(2 * tokens, 3, H, generator=g) * 2).float()
+    with torch.no_grad():
+        expected = model(hidden, bank)
+    out, be = compile_capture(model, hidden, bank)
+    assert attn_res_count() == 1
+    (node,) = nodes_of(be.graph_after, ATTN_RES)
+    assert count_op(be.graph_after, aten.amax.default) == 0
+    bound = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float(), expected.float(), **bound)
+
+
+@pytest.mark.parametrize("near_miss", ["reordered", "in_order"])
+def test_linear_logits_permuted_to_a_softmax_over_the_tokens_refused(near_miss, debug_log):
+    model = _TransposedLinearLogits(near_miss=near_miss)
+    g = torch.Generator().manual_seed(0)
+    hidden, bank = torch.randn(2, 3, H, generator=g), torch.randn(6, 3, H, generator=g)
+    with torch.no_grad():
+        expected = model(hidden, bank)
+    out, be = compile_capture(model, hidden, bank)
+    assert attn_res_count() == 0
+    assert count_op(be.graph_after, ATTN_RES) == 0
+    torch.testing.assert_close(out, expected)

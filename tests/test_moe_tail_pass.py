@@ -127,6 +127,49 @@ def test_tail_forms_match(fn, lead):
         assert count_op(be.graph_before, torch.ops.aten.addmm.default) == 1
 
 
+def _flat_latent_viewed_back(r, x, ws, nw, up):
+    """transformers' ``KimiK3MoE``: the latent flat ``[T, L]`` (the experts' output), the
+    up-projection viewed back to ``[B, S, H]``, then the shared expert's output (a
+    projection of the unflattened ``[B, S, H]`` hidden state) added."""
+    routed = _rms_hf(r.view(-1, L), nw) @ up.T
+    return routed.view(*x.shape) + x @ ws.T
+
+
+def _flat_latent_viewed_back_swapped(r, x, ws, nw, up):
+    return x @ ws.T + (_rms_hf(r.view(-1, L), nw) @ up.T).view(*x.shape)
+
+
+@pytest.mark.parametrize("fn", [_flat_latent_viewed_back, _flat_latent_viewed_back_swapped])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_tail_over_a_flat_latent_viewed_back_before_the_add(fn, dynamic):
+    """The norm reads ``[T, L]`` rows, the add is at ``[B, S, H]``: the same rows in the
+    same order (both sides reshape a ``[T, H]`` GEMM output), so the op takes the shared
+    value's flat ``[T, H]`` base and its result is viewed as the add's (before 2026-12-06
+    refused: "shared leading dims (2, 3) differ from routed_latent leading dims (6,)")."""
+    args = _inputs(lead=(2, 3))
+    out, be, n = _fused(fn, *args, dynamic=dynamic)
+    assert n == 1
+    (tail,) = k3_calls(be.graph_after, "latent_moe_tail")
+    assert count_op(be.graph_after, torch.ops.aten.rsqrt.default) == 0
+    with torch.no_grad():
+        want = fn(*args)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert out.shape == want.shape == (2, 3, H)
+
+
+def test_flat_latent_with_a_shared_value_of_other_rows_is_refused():
+    """The add broadcasts a ``[1, S, H]`` shared value over the viewed-back rows: not the
+    op's function (each row its own shared row), left alone."""
+    def fn(r, x, ws, nw, up):
+        return (_rms_hf(r.view(-1, L), nw) @ up.T).view(2, 3, H) + x[:1] @ ws.T
+
+    args = _inputs(lead=(2, 3))
+    out, be, n = _fused(fn, *args)
+    assert n == 0
+    with torch.no_grad():
+        torch.testing.assert_close(out, fn(*args))
+
+
 def _routed_given(r, x, ws, nw, up):  # the routed partial is the caller's tensor
     return x @ ws.T + _rms_hf(r, nw) @ up.T
 

@@ -197,6 +197,9 @@ K3_SHAPED = {
     "megatron_bridge_k3_tail": ({}, None),
     "torchtitan_k3_latent_moe": ({}, None),
     "automodel_k3_moe": ({}, None),
+    "hf_kimi_k3_gated_mla": ({}, None),
+    "hf_kimi_k3_moe": ({}, None),
+    "hf_kimi_k3_decoder": ({}, None),
 }
 
 
