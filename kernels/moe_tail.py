@@ -370,7 +370,9 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
     otherwise). fp32 weights: ``block_k`` 64 (their dot runs on FMA units, not tensor
     cores), 3 stages. Up to :data:`PDL_MAX_BLOCK_M` token rows (16-bit weights): every row
     normalized by a norm launch and the tail kernel, a GEMM + add on those rows, launched
-    as its programmatic dependent (``normed_rows``, ``pdl``), where :func:`pdl_available`.
+    as its programmatic dependent (``normed_rows``, ``pdl``), where :func:`pdl_available`;
+    bf16 weights up to :data:`LOOP_RMS_MAX_BLOCK_M` rows instead take one launch that sums
+    the rows' squares in its main loop (``rms_in_loop``).
     """
     two_byte = dtype in (torch.bfloat16, torch.float16)
     narrow = hidden <= NARROW_HIDDEN
@@ -401,6 +403,11 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
         stages = (4 if block_m == 1 else 5) if block_n < 32 else 3
         return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages,
                             split_k=split_k, norm_block_k=norm_block_k, gemv=True)
+    if dtype == torch.bfloat16 and block_m <= LOOP_RMS_MAX_BLOCK_M and split_k == 1:
+        # One launch: the rows' sums of squares ride along with the weight stream.
+        return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4,
+                            split_k=1, norm_block_k=norm_block_k, swap_ab=True,
+                            rms_in_loop=True)
     # The rows normalized by a norm launch, the tail kernel its programmatic dependent: the
     # second launch's start hides behind the first (resolve_config drops it where PDL is
     # absent).
@@ -411,6 +418,10 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
                         swap_ab=two_byte and block_m in (16, 32), normed_rows=pdl, pdl=pdl)
 
 
+#: bf16 dot-form launches of up to this many token rows (T 2-16) take the ``rms_in_loop``
+#: form by default, 0.7-1.2 us under the norm-launch form (docs/experiments.md,
+#: "2026-12-06: the sums of squares in the main loop").
+LOOP_RMS_MAX_BLOCK_M = 16
 #: Dot-form launches of up to this many token rows take the PDL norm-launch form by default
 #: (docs/experiments.md, "2026-12-02: the tail as a norm launch + a GEMM (issue 17)").
 PDL_MAX_BLOCK_M = 32
@@ -503,6 +514,7 @@ def resolve_config(tokens, hidden, latent, dtype, device, block_n=0, block_k=0, 
         # unless it names normed_rows / prenorm / pdl too (the sweeps time those shapes as
         # they were).
         normed_rows = pdl = auto.pdl and pdl_available(device)
+        rms_in_loop = auto.rms_in_loop
     return LaunchConfig(block_n=block_n, block_k=block_k,
                         num_warps=num_warps or auto.num_warps,
                         num_stages=num_stages, split_k=split,

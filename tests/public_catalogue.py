@@ -1625,7 +1625,8 @@ class HFDots1QKNorm(nn.Module):
         v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         s = hidden_states.shape[1]
         attn = torch.matmul(q, k.transpose(2, 3)) * d ** -0.5
-        attn = attn + torch.triu(torch.full((s, s), float("-inf"), dtype=attn.dtype), 1)
+        attn = attn + torch.triu(torch.full((s, s), float("-inf"), dtype=attn.dtype,
+                                             device=attn.device), 1)
         attn = torch.softmax(attn, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(attn, v).transpose(1, 2).contiguous()
         return self.o_proj(out.reshape(*input_shape, self.heads * d))

@@ -65,6 +65,18 @@ def assert_as_accurate_as_eager(out, eager, ref, dtype: torch.dtype) -> None:
         f"compiled max/mean error {c_max:.3g}/{c_mean:.3g}, eager {e_max:.3g}/{e_mean:.3g}")
 
 
+def assert_counts(entry: Entry, counts: dict, want: dict, model, args, report=None) -> None:
+    """``counts == want``, else a failure that says why each site was left alone
+    (``k3fusion.explain``: one more compile of the call, only when the counts differ) --
+    what a GPU run cut off by its time limit must still tell."""
+    if counts != want:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            why = k3fusion.explain(model, *args, quiet=True)
+        pytest.fail(f"{entry.name}: fused {counts}, expected {want}\n{why}"
+                    + (f"\n{report}" if report else ""))
+
+
 def _fused_counts(entry: Entry) -> dict[str, int]:
     counts = k3fusion.match_counts()
     counts.pop("attn_res_delta_handoff")
@@ -243,7 +255,7 @@ def test_k3_shaped_entry_compiled_for_real_on_cuda(name, monkeypatch):
     if os.environ.get("CATALOGUE_REPORT"):
         with open(os.environ["CATALOGUE_REPORT"], "a") as f:
             f.write(json.dumps(report) + "\n")
-    assert counts == want, report
+    assert_counts(entry, counts, want, model, args, report)
     assert_as_accurate_as_eager(out, eager, ref, torch.bfloat16)
 
 
@@ -260,11 +272,14 @@ def test_every_entry_compiled_for_real_on_cuda(entry, dtype, tokens):
         model = entry.build().eval()
     ref_model = copy.deepcopy(model).double()
     model = model.to(dtype)
-    args = entry.inputs(tokens, dtype, device="cuda")
+    compiled = torch.compile(model, backend="k3fusion", fullgraph=True)
+    ref, eager, out = [], [], []
     with torch.no_grad():
-        ref = ref_model(*(a.double() for a in args))
-        del ref_model
-        eager = model(*args)
-        out = torch.compile(model, backend="k3fusion", fullgraph=True)(*args)
-    assert _fused_counts(entry) == entry.expected(dtype)[0]
+        for seed in ACCURACY_SEEDS:  # one compile, the errors pooled (as on the CPU)
+            args = entry.inputs(tokens, dtype, device="cuda", seed=seed)
+            ref.append(ref_model(*(a.double() for a in args)))
+            eager.append(model(*args))
+            out.append(compiled(*args))
+    del ref_model
+    assert_counts(entry, _fused_counts(entry), entry.expected(dtype)[0], model, args)
     assert_as_accurate_as_eager(out, eager, ref, dtype)

@@ -140,6 +140,10 @@ def test_fused_tail_tile_roundings(form):
     up = torch.zeros(hidden, 64, dtype=out_dtype, device=DEVICE)
     up[torch.arange(hidden), torch.arange(hidden) % 64] = 1
     s = torch.zeros(5, hidden, dtype=out_dtype, device=DEVICE)
-    y = tail_launch(x, s, w, EPS, up, weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype)
-    assert torch.equal(y, y[:, torch.arange(hidden) % 64])
-    check(y[:, :64], x, w, weight_in_fp32, norm_dtype)
+    # the forms that round the tile as the spec does (the bf16 default at 2-16 rows,
+    # rms_in_loop, scales after the dot: test_moe_tail_kernel's own bound)
+    for opts in ({"normed_rows": True}, {"normed_rows": False}):
+        y = tail_launch(x, s, w, EPS, up, weight_in_fp32=weight_in_fp32, norm_dtype=norm_dtype,
+                        **opts)
+        assert torch.equal(y, y[:, torch.arange(hidden) % 64])
+        check(y[:, :64], x, w, weight_in_fp32, norm_dtype)
