@@ -419,8 +419,7 @@ def pick_launch_config(tokens: int, hidden: int, latent: int, dtype: torch.dtype
 
 
 #: bf16 dot-form launches of up to this many token rows (T 2-16) take the ``rms_in_loop``
-#: form by default, 0.7-1.2 us under the norm-launch form (docs/experiments.md,
-#: "2026-12-06: the sums of squares in the main loop").
+#: form by default (docs/experiments.md, "2026-12-06: the sums of squares in the main loop").
 LOOP_RMS_MAX_BLOCK_M = 16
 #: Dot-form launches of up to this many token rows take the PDL norm-launch form by default
 #: (docs/experiments.md, "2026-12-02: the tail as a norm launch + a GEMM (issue 17)").
