@@ -10,6 +10,7 @@ replay of the split-K form.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, replace
 
@@ -137,11 +138,10 @@ def _launches_rms_in_loop(x, up, opts: dict) -> bool:
     default's choice): its GEMM input is bounded as ``tail_tolerance(scaled_after)``."""
     if x.shape[0] == 0:
         return False
-    keys = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "norm_block_k",
-            "swap_ab", "gemv", "prenorm", "block_m", "m_first", "pdl", "normed_rows",
-            "rms_in_loop")
+    options = inspect.signature(kernel_mod.resolve_config).parameters
     return kernel_mod.resolve_config(x.shape[0], up.shape[0], x.shape[1], up.dtype, x.device,
-                                     **{k: opts[k] for k in keys if k in opts}).rms_in_loop
+                                     **{k: v for k, v in opts.items() if k in options}
+                                     ).rms_in_loop
 
 
 def run_and_check(c: Case, seed: int, launch_opts: dict | None = None, device: str = DEVICE):
