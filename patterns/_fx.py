@@ -17,7 +17,8 @@ __all__ = [
     "NoMatch", "aten", "prims", "is_op", "strip_casts", "matmul_operands", "val", "dtype_of", "operands", "only_user",
     "is_graph_input", "depends_on", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
-    "row_padded", "through_row_padding", "slice_args", "keepdim_of",
+    "row_padded", "through_row_padding", "unpad_product", "UnpaddedProduct",
+    "product_under_slices", "slice_args", "keepdim_of",
     "LAYOUT_OPS", "view_layout", "same_size", "inductor_lowers", "insert_call", "all_or_nothing",
     "snapshot", "restore", "CHANGE_HOOK", "before_change",
     "SavedValues", "saved_for_backward", "saving", "users", "is_backward_graph",
@@ -119,6 +120,79 @@ def through_row_padding(node: object, chain: list[Node]) -> tuple[object, object
     return mm, h
 
 
+def _end_padding(node: object) -> tuple[object, list[int]]:
+    """``(x, [pad after the last dim, after the one before, ...])`` for a zero
+    ``constant_pad_nd(x, pad)`` that pads only at the ends; ``(node, [])`` for anything else."""
+    if not is_op(node, aten.constant_pad_nd.default):
+        return node, []
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    pad = list(node.args[1])
+    if value != 0 or any(pad[i] != 0 for i in range(0, len(pad), 2)):
+        return node, []
+    return node.args[0], pad[1::2]
+
+
+class UnpaddedProduct(NamedTuple):
+    """A ``mm``/``bmm`` seen through Inductor's ``pad_mm``: ``a @ b`` before the zero
+    padding; ``result`` the node holding that product (the last slice back, or the
+    product itself); ``nodes`` the pads and slices."""
+
+    product: Node
+    a: Node
+    b: Node
+    result: Node
+    nodes: list[Node]
+
+
+def unpad_product(product: Node) -> UnpaddedProduct:
+    """``pad_mm``'s form of ``a @ b`` (it pads 16-bit GEMMs to multiples of 8 where its
+    benchmark says so -- a timing, so one compile may see it and the next not)::
+
+        c = mm(constant_pad_nd(a, [0, k, 0, m]), constant_pad_nd(b, [0, n, 0, k]))
+        c = c[:-m, :][:, :-n]                            # the rows / cols sliced back
+
+    (``bmm`` alike, with a batch dim): the padded terms of the inner dim are zeros, so this
+    computes ``a @ b``. Unpadded products come back as they are; anything else padded is
+    ``NoMatch``."""
+    a, pa = _end_padding(product.args[0])
+    b, pb = _end_padding(product.args[1])
+    k, m = (pa + [0, 0])[:2]
+    n, kb = (pb + [0, 0])[:2]
+    if any(pa[2:] + pb[2:]) or k != kb:
+        raise NoMatch(f"{product.name}: operands padded other than pad_mm pads them")
+    nodes = [x for x, base in ((product.args[0], a), (product.args[1], b)) if x is not base]
+    result = product
+    for pad, dim in ((m, -2), (n, -1)):
+        if not pad:
+            continue
+        cut = only_user(result)
+        rank = val(result).dim()
+        d, start, end, step = slice_args(cut) if is_op(cut, aten.slice.Tensor) else (None,) * 4
+        if not (d in (dim, rank + dim) and start in (0, None) and step == 1
+                and end in (-pad, val(result).shape[dim] - pad)):
+            raise NoMatch(f"{product.name}: padded, but not sliced back to its size")
+        nodes.append(cut)
+        result = cut
+    return UnpaddedProduct(product, a, b, result, nodes)
+
+
+def product_under_slices(node: object) -> object:
+    """The ``mm``/``bmm`` whose :func:`unpad_product` result ``node`` is (``node`` itself
+    when it is no such slice)."""
+    product = node
+    for _ in range(2):
+        if not is_op(product, aten.slice.Tensor):
+            break
+        product = product.args[0]
+    if product is not node and is_op(product, aten.mm.default, aten.bmm.default):
+        try:
+            if unpad_product(product).result is node:
+                return product
+        except NoMatch:
+            pass
+    return node
+
+
 def matmul_operands(node: object) -> tuple[Node, Node] | None:
     """``(a, b)`` when ``node`` computes ``a @ b`` (2-D), else None.
 
@@ -126,12 +200,17 @@ def matmul_operands(node: object) -> tuple[Node, Node] | None:
     ``(a.unsqueeze(2) * b.unsqueeze(0)).sum(1)`` on GPUs under coordinate-descent
     tuning (max-autotune), ``sum(a.squeeze(0) * b.squeeze(-1), 0, True).unsqueeze(0)``
     for one row on CPU -- with the fp32 upcasts ``pw_cast_for_opmath`` adds around them --
-    and ``pad_mm``'s row padding (:func:`through_row_padding`).
+    and ``pad_mm``'s padding (:func:`unpad_product`).
     """
     node = strip_casts(node)
-    mm, padded = through_row_padding(node, [])
-    if padded is not None:
-        return padded, mm.args[1]
+    mm = product_under_slices(node)
+    if is_op(mm, aten.mm.default):
+        try:
+            up = unpad_product(mm)
+        except NoMatch:
+            up = None
+        if up is not None and up.result is node:
+            return up.a, up.b
     if is_op(node, aten.mm.default):
         return node.args[0], node.args[1]
     if is_op(node, aten.addmm.default):

@@ -32,8 +32,8 @@ import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the ops this 
 from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on, LAYOUT_OPS,
                   view_layout, dtype_of, erase_unused, external_users, fake_call, hoist_before,
                   insert_call, is_graph_input, is_op, keepdim_of, slice_args, matmul_operands,
-                  only_user, operands, plan_size_reads, prims, same_size, strip_casts, users,
-                  val)
+                  only_user, operands, plan_size_reads, prims, product_under_slices, same_size,
+                  strip_casts, unpad_product, UnpaddedProduct, users, val)
 from .fusion import Fusion, FusionResult
 from .rms_norm import (RMSNormMatch, derived_from_input, divided_by_sqrt, eps_op_args,
                        inverse_rms, parameter_weight, same_input, upcast_input)
@@ -367,12 +367,13 @@ def _one(size) -> bool:
     return same_size(size, 1)
 
 
-def _operand_layouts(product: Node, stops=()) -> list[tuple]:
-    """bmm / mm operands as (base, [batch, rows, inner], chain) each."""
+def _operand_layouts(product: UnpaddedProduct, stops=()) -> list[tuple]:
+    """bmm / mm operands (before ``pad_mm``'s padding) as (base, [batch, rows, inner],
+    chain) each."""
     sides = []
-    for k, x in enumerate(product.args[:2]):
+    for k, x in enumerate((product.a, product.b)):
         base, layout, chain = view_layout(x, stops=stops)
-        if is_op(product, aten.mm.default):
+        if is_op(product.product, aten.mm.default):
             layout = [()] + layout
         if len(layout) != 3:
             raise NoMatch(f"{product.name}: operand of rank {len(layout)}")
@@ -382,11 +383,12 @@ def _operand_layouts(product: Node, stops=()) -> list[tuple]:
     return sides
 
 
-def _result_layout(node: Node, product: Node, batch: tuple, a_rows: tuple, b_cols: tuple
-                   ) -> tuple[list, list]:
+def _result_layout(node: Node, product: UnpaddedProduct, batch: tuple, a_rows: tuple,
+                   b_cols: tuple) -> tuple[list, list]:
     """``node``'s layout (in the operands' atoms) when it views the product."""
-    out = [batch, a_rows, b_cols] if is_op(product, aten.bmm.default) else [a_rows, b_cols]
-    _, layout, chain = view_layout(node, start=(product, out))
+    bmm = is_op(product.product, aten.bmm.default)
+    out = [batch, a_rows, b_cols] if bmm else [a_rows, b_cols]
+    _, layout, chain = view_layout(node, start=(product.result, out))
     return layout, chain
 
 
@@ -395,9 +397,10 @@ def _contraction_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     pseudo-query, wrapped in reshapes and permutes (``einsum('d, ...d -> ...', w, K)``)."""
     product = logits
     while is_op(product, *LAYOUT_OPS):
-        product = product.args[0]
+        product = product_under_slices(product.args[0])
     if not is_op(product, aten.bmm.default, aten.mm.default):
         raise NoMatch("logits are neither a projection nor a contraction with a query")
+    product = unpad_product(product)
     sides = _operand_layouts(product)
     for (wb, wl, wc), (kb, kl, kc), w_first in ((sides[0], sides[1], True),
                                                  (sides[1], sides[0], False)):
@@ -417,7 +420,7 @@ def _contraction_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
         layout, out_chain = _result_layout(logits, product, (), rows, cols)
         if layout != _leading_layout(keys):
             raise NoMatch("logits do not keep the keys' leading dims in order")
-        return keys, proj_w, out_chain + [product] + wc + kc + w_nodes
+        return keys, proj_w, out_chain + [product.product, *product.nodes] + wc + kc + w_nodes
     raise NoMatch("contraction without a pseudo-query parameter")
 
 
@@ -771,10 +774,12 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int,
         n = only_user(n)
         if is_op(n, *LAYOUT_OPS):
             chain.append(n)
-    product = n
-    if not is_op(product, aten.bmm.default, aten.mm.default):
+    if is_op(n, aten.constant_pad_nd.default):  # pad_mm's padding of the source dim
+        n = only_user(n)
+    if not is_op(n, aten.bmm.default, aten.mm.default):
         raise NoMatch("softmax weights feed neither a weighted sum nor a contraction")
-    views = [product]  # the product and the single-user views after it
+    product = unpad_product(n)
+    views = [product.result]  # the product and the single-user views after it
     while is_op(only_user_or_none(views[-1]), *LAYOUT_OPS):
         views.append(only_user(views[-1]))
     stops = {sources, x32, *_repeated_sources(product, sources, x32)}
@@ -824,15 +829,15 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int,
     if canon_p(pl[0]) != canon(vl[0]):
         raise NoMatch("the contraction's result is not the sources' layout without the source dim")
     extra = [] if va is sources or va is x32 else _is_source(va, sources, x32)
-    return total, chain + pc + vc + [product] + out_chain + extra
+    return total, chain + pc + vc + [product.product, *product.nodes] + out_chain + extra
 
 
-def _repeated_sources(product: Node, sources: Node, x32: Node) -> list[Node]:
+def _repeated_sources(product: UnpaddedProduct, sources: Node, x32: Node) -> list[Node]:
     """Repeats of the sources on the views into ``product`` (the mix's own
     ``torch.stack(sources)``): the layout walk stops there as at the sources, whose dims
     they have (walking on, a dim-0 stack's view of its cat splits a dim)."""
     found = []
-    for x in product.args[:2]:
+    for x in (product.a, product.b):
         while is_op(x, *LAYOUT_OPS):
             if _same_value(x, sources) or _same_value(x, x32):
                 found.append(x)

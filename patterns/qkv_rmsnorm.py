@@ -62,10 +62,32 @@ def _is_copy(node: object) -> bool:
     return is_op(node, aten.clone.default) and len(node.args) == 1
 
 
+def _through_row_reshapes(node: object) -> object:
+    """``node`` before reshapes of its leading dims (the last dim kept)."""
+    while (is_op(node, *_RESHAPES_AND_SQUEEZES) and val(node.args[0]).dim()
+           and _int(val(node.args[0]).shape[-1]) == _int(val(node).shape[-1])):
+        node = node.args[0]
+    return node
+
+
+def _projection(node: object) -> tuple[Node, Node] | None:
+    """``matmul_operands`` of a projection, also when its bias add is a node of its own:
+    ``bias + a @ b`` (either order, ``bias`` one row wide), as Inductor's post-grad pass
+    splits an ``addmm`` that only pointwise ops read, on GPUs."""
+    if is_op(node, aten.add.Tensor) and len(node.args) == 2 and not node.kwargs:
+        for mm, bias in (node.args, node.args[::-1]):
+            mm = _through_row_reshapes(mm)
+            if (is_op(mm, aten.mm.default) and isinstance(bias, Node)
+                    and val(bias).dim() == 1 and val(bias).shape == val(node).shape[-1:]
+                    and val(bias).dtype == val(node).dtype):
+                return matmul_operands(mm)
+    return matmul_operands(node)
+
+
 def pairing_source(x: Node) -> object:
     """What ``x`` is computed from, for pairing (see the module docstring)."""
     base = _strip_views(x)
-    product = matmul_operands(base)
+    product = _projection(base)
     if product is not None:
         a = _strip_views(product[0])
         # Each projection's own row padding (pad_mm) of the one hidden state: that state.
@@ -143,7 +165,7 @@ def columns(x: Node) -> Columns:
             node = node.args[0]  # a reshape of the leading dims
         else:
             break
-    if size is None or matmul_operands(node) is None:
+    if size is None or _projection(node) is None:
         return Columns(None)
     width = _int(val(node).shape[-1])
     return Columns(node, start, size, width) if width is not None else Columns(None)

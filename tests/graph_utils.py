@@ -42,7 +42,7 @@ RSQRT = aten.rsqrt.default
 DUAL = torch.ops.k3fusion.dual_rms_norm.default
 
 __all__ = [
-    "RSQRT", "DUAL", "CaptureBackend", "LoweringBackend", "no_compile_caches", "fresh_state", "compile_capture",
+    "RSQRT", "DUAL", "CaptureBackend", "LoweringBackend", "no_compile_caches", "fresh_state", "gpu_gemm_forms", "compile_capture",
     "count_op", "nodes_of", "op_histogram", "norm_width", "rsqrt_widths", "norms_by_width",
     "assert_no_unfused_norm", "graph_code", "assert_close_rounding", "K3Calls", "SideBySide",
     "gpu_softmax_form",
@@ -130,6 +130,30 @@ def gpu_softmax_form() -> Iterator[_OnlineSoftmax]:
     online = _OnlineSoftmax()
     with inductor_config.patch(post_grad_custom_pre_pass=online):
         yield online
+
+
+@contextlib.contextmanager
+def gpu_gemm_forms() -> Iterator[None]:
+    """Compiles under this build the GEMMs a CUDA compile may build, which only a GPU build
+    makes (the fusion passes run after both):
+
+    * ``pad_mm`` (joint graph) pads every GEMM whose dims are not multiples of 8 (16-bit)
+      or 4 (fp32) with zeros and slices the result back. On a GPU its benchmark decides
+      per GEMM -- a timing, so one compile may get the padded form and the next not --
+      and fp32 only under TF32; here every such GEMM is padded.
+    * ``unfuse_bias_add_to_pointwise`` (post-grad) splits an ``addmm`` that only pointwise
+      ops read into ``mm`` + a bias add (fp32; 16-bit ``addmm`` stays whole off XPU).
+    """
+    from unittest import mock
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.fx_passes import pad_mm, post_grad
+
+    with mock.patch.object(pad_mm, "has_triton", lambda: True), \
+            mock.patch.object(pad_mm, "check_device", lambda a, b: True), \
+            mock.patch.object(post_grad, "is_gpu", lambda device_type: True), \
+            inductor_config.patch(force_shape_pad=True):
+        yield
 
 
 # --------------------------------------------------------------------------- the backend

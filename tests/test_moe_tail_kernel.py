@@ -1008,7 +1008,9 @@ def test_cuda_graph_replay_split_k(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens, opts", [
-    (4, {}), (32, {}),                                   # the default: the norm-launch form
+    (4, {}),                        # the default at 2-16 tokens: one launch (rms_in_loop)
+    (32, {}),                                            # the default: the norm-launch form
+    (4, {"normed_rows": True, "pdl": True}),
     (8, {"normed_rows": True, "pdl": True, "split_k": 2}),
     (8, {"prenorm": True, "pdl": True}),                 # the 1/rms prologue form
 ])
@@ -1019,9 +1021,9 @@ def test_cuda_pdl_forms_never_read_a_stale_prologue(tokens, opts):
     back eagerly without a sync: every result is that call's tail, never the previous
     rows' (a missing or misplaced wait reads the prologue buffer of an earlier call)."""
     x, s, w, up = _k3_inputs(tokens, seed=20)
-    if not opts:
-        assert kernel_mod.resolve_config(tokens, K3_HIDDEN, K3_LATENT, torch.bfloat16,
-                                         x.device).pdl, "the default is a PDL form"
+    if not opts:  # the default form this case is about
+        config = kernel_mod.resolve_config(tokens, K3_HIDDEN, K3_LATENT, torch.bfloat16, x.device)
+        assert config.rms_in_loop if tokens <= 16 else config.pdl, config
     src = x.clone()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

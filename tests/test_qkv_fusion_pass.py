@@ -174,6 +174,51 @@ def test_pair_fused_through_row_padded_projections():
     _assert_outputs_close(out, expected)
 
 
+class UnfusedBiasMLA(MLA):
+    """MLA with biased projections (DeepSeek-V2-Lite's ``q_a_proj``) where the q
+    projection's bias add is its own node, as Inductor's post-grad pass leaves an ``addmm``
+    on GPUs when only pointwise ops read it (``unfuse_bias_add_to_pointwise``): ``bias +
+    h @ W.T`` (or ``h @ W.T + bias``); the kv projection, read by a split, stays an
+    ``addmm``."""
+
+    def __init__(self, bias_first: bool, **kw):
+        super().__init__(**kw)
+        g = torch.Generator().manual_seed(5)
+        self.q_bias = nn.Parameter(torch.randn(Q_RANK, generator=g).to(self.q_a_proj.weight.dtype))
+        self.kv_a_proj_with_mqa.bias = nn.Parameter(
+            torch.randn(KV_RANK + ROPE, generator=g).to(self.q_a_proj.weight.dtype))
+        self.bias_first = bias_first
+
+    def forward(self, h):
+        mm = h @ self.q_a_proj.weight.T
+        q_c = self.q_a_layernorm(self.q_bias + mm if self.bias_first else mm + self.q_bias)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(h).split([KV_RANK, ROPE], dim=-1)
+        return q_c, self.q_b_proj(q_c), self.kv_a_layernorm(kv_c), k_pe
+
+
+@pytest.mark.parametrize("bias_first", [True, False], ids=["bias+mm", "mm+bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pair_fused_through_an_unfused_bias_add(bias_first, dtype):
+    out, expected, be = _run(UnfusedBiasMLA(bias_first, dtype=dtype), _hidden((2, 7, HIDDEN), dtype))
+    assert count_op(be.graph_before, torch.ops.aten.addmm.default) == 1  # the kv projection
+    _assert_fused_once(be)
+    _assert_outputs_close(out, expected)
+
+
+def test_mm_plus_a_full_tensor_is_no_bias_add():
+    """``h @ W.T + r`` with ``r`` a whole ``[T, N]`` tensor (a residual, not a bias): not a
+    projection of ``h``, so the q norm's source is that sum and nothing pairs."""
+    module = MLA(dtype=torch.float32)
+    r = _hidden((2, 5, Q_RANK), torch.float32, seed=3)
+
+    def residual_q(h):
+        q_c = module.q_a_layernorm(h @ module.q_a_proj.weight.T + r)
+        kv_c, _ = module.kv_a_proj_with_mqa(h).split([KV_RANK, ROPE], -1)
+        return q_c, module.kv_a_layernorm(kv_c)
+
+    _assert_left_alone(residual_q, _hidden(dtype=torch.float32))
+
+
 @pytest.mark.parametrize("dtype,shape", [
     (torch.bfloat16, (2, 5, HIDDEN)),
     (torch.bfloat16, (7, HIDDEN)),
