@@ -18,7 +18,7 @@ __all__ = [
     "is_graph_input", "depends_on", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
     "row_padded", "through_row_padding", "unpad_product", "UnpaddedProduct",
-    "product_under_slices", "slice_args", "keepdim_of",
+    "product_under_slices", "decomposed_product", "product_of_result", "product_reading", "slice_args", "keepdim_of",
     "LAYOUT_OPS", "view_layout", "same_size", "inductor_lowers", "insert_call", "all_or_nothing",
     "snapshot", "restore", "CHANGE_HOOK", "before_change",
     "SavedValues", "saved_for_backward", "saving", "users", "is_backward_graph",
@@ -133,15 +133,17 @@ def _end_padding(node: object) -> tuple[object, list[int]]:
 
 
 class UnpaddedProduct(NamedTuple):
-    """A ``mm``/``bmm`` seen through Inductor's ``pad_mm``: ``a @ b`` before the zero
-    padding; ``result`` the node holding that product (the last slice back, or the
-    product itself); ``nodes`` the pads and slices."""
+    """A ``mm``/``bmm`` seen through Inductor's rewrites of it: ``a @ b`` (``batched``:
+    a ``bmm``); ``result`` the node holding that product (after ``pad_mm``'s slices back,
+    or a decomposition's cast back); ``product`` the GEMM node (a decomposition's sum);
+    ``nodes`` the other nodes of the rewrite (pads, slices, casts, unsqueezes, the mul)."""
 
     product: Node
     a: Node
     b: Node
     result: Node
     nodes: list[Node]
+    batched: bool = False
 
 
 def unpad_product(product: Node) -> UnpaddedProduct:
@@ -173,7 +175,86 @@ def unpad_product(product: Node) -> UnpaddedProduct:
             raise NoMatch(f"{product.name}: padded, but not sliced back to its size")
         nodes.append(cut)
         result = cut
-    return UnpaddedProduct(product, a, b, result, nodes)
+    return UnpaddedProduct(product, a, b, result, nodes, is_op(product, aten.bmm.default))
+
+
+def _fp32_operand(node: object, nodes: list[Node]) -> object:
+    """``node`` before the fp32 upcast ``pw_cast_for_opmath`` puts on a 16-bit operand."""
+    if is_op(node, prims.convert_element_type.default) and node.args[1] == torch.float32:
+        nodes.append(node)
+        return node.args[0]
+    return node
+
+
+def decomposed_product(node: object) -> UnpaddedProduct | None:
+    """Inductor's decomposition of a skinny GEMM on GPUs under coordinate-descent tuning
+    (``mode="max-autotune"``), when ``node`` is its result: one row or one column, in
+    fp32 (16-bit operands upcast, the sum cast back)::
+
+        bmm: (a.unsqueeze(-1) * b.unsqueeze(1)).sum(2)     # [B, M, K] @ [B, K, N]
+        mm:  (a.unsqueeze(2) * b.unsqueeze(0)).sum(1)      # [M, K] @ [K, N]
+
+    None for anything else."""
+    nodes: list[Node] = []
+    total = node
+    if is_op(total, prims.convert_element_type.default):
+        nodes.append(total)
+        total = total.args[0]
+    if not (is_op(total, aten.sum.dim_IntList) and not keepdim_of(total)
+            and total.kwargs.get("dtype") is None and isinstance(total.args[0], Node)
+            and is_op(total.args[0], aten.mul.Tensor) and len(total.args[0].args) == 2):
+        return None
+    mul = total.args[0]
+    (dim,), rank = list(total.args[1]), val(mul).dim()
+    batched = rank == 4 and dim in (2, -2)
+    if not (batched or (rank == 3 and dim in (1, -2))):
+        return None
+    at_a, at_b = (3, 1) if batched else (2, 0)  # where each operand gets its new dim
+    x, y = mul.args
+    for first, second in ((x, y), (y, x)):
+        if all(is_op(u, aten.unsqueeze.default) and u.args[1] % rank == d
+               for u, d in ((first, at_a), (second, at_b))):
+            a = _fp32_operand(first.args[0], nodes)
+            b = _fp32_operand(second.args[0], nodes)
+            if val(a).dim() == val(b).dim() == rank - 1 and (
+                    nodes == [] or val(node).dtype == val(a).dtype == val(b).dtype):
+                return UnpaddedProduct(total, a, b, node,
+                                       nodes + [first, second, mul], batched)
+    return None
+
+
+def product_of_result(node: object) -> UnpaddedProduct | None:
+    """The GEMM whose result ``node`` is: a ``mm``/``bmm`` (through ``pad_mm``'s padding,
+    :func:`unpad_product`: ``node`` its last slice back) or its decomposition
+    (:func:`decomposed_product`); None when ``node`` is no GEMM's result."""
+    base = product_under_slices(node)
+    if is_op(base, aten.mm.default, aten.bmm.default):
+        product = unpad_product(base)
+        return product if product.result is node else None
+    return decomposed_product(node)
+
+
+def product_reading(node: Node) -> UnpaddedProduct | None:
+    """The GEMM that reads ``node`` as an operand (its only reader, through ``pad_mm``'s
+    pad or a decomposition's upcast and unsqueeze); None when no GEMM does."""
+    n = node
+    for _ in range(3):
+        if is_op(n, aten.mm.default, aten.bmm.default):
+            return unpad_product(n)
+        if is_op(n, aten.mul.Tensor):
+            total = only_user(n)
+            after = users(total)
+            result = after[0] if len(after) == 1 and is_op(
+                after[0], prims.convert_element_type.default) else total
+            product = decomposed_product(result)
+            if product is None and result is not total:
+                product = decomposed_product(total)
+            return product
+        if not is_op(n, aten.constant_pad_nd.default, aten.unsqueeze.default,
+                     prims.convert_element_type.default):
+            return None
+        n = only_user(n)
+    return None
 
 
 def product_under_slices(node: object) -> object:

@@ -32,8 +32,8 @@ import k3fusion.ops  # noqa: F401  registers torch.ops.k3fusion.* (the ops this 
 from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on, LAYOUT_OPS,
                   view_layout, dtype_of, erase_unused, external_users, fake_call, hoist_before,
                   insert_call, is_graph_input, is_op, keepdim_of, slice_args, matmul_operands,
-                  only_user, operands, plan_size_reads, prims, product_under_slices, same_size,
-                  strip_casts, unpad_product, UnpaddedProduct, users, val)
+                  only_user, operands, plan_size_reads, prims, product_of_result, product_reading,
+                  same_size, strip_casts, UnpaddedProduct, users, val)
 from .fusion import Fusion, FusionResult
 from .rms_norm import (RMSNormMatch, derived_from_input, divided_by_sqrt, eps_op_args,
                        inverse_rms, parameter_weight, same_input, upcast_input)
@@ -373,7 +373,7 @@ def _operand_layouts(product: UnpaddedProduct, stops=()) -> list[tuple]:
     sides = []
     for k, x in enumerate((product.a, product.b)):
         base, layout, chain = view_layout(x, stops=stops)
-        if is_op(product.product, aten.mm.default):
+        if not product.batched:
             layout = [()] + layout
         if len(layout) != 3:
             raise NoMatch(f"{product.name}: operand of rank {len(layout)}")
@@ -386,8 +386,7 @@ def _operand_layouts(product: UnpaddedProduct, stops=()) -> list[tuple]:
 def _result_layout(node: Node, product: UnpaddedProduct, batch: tuple, a_rows: tuple,
                    b_cols: tuple) -> tuple[list, list]:
     """``node``'s layout (in the operands' atoms) when it views the product."""
-    bmm = is_op(product.product, aten.bmm.default)
-    out = [batch, a_rows, b_cols] if bmm else [a_rows, b_cols]
+    out = [batch, a_rows, b_cols] if product.batched else [a_rows, b_cols]
     _, layout, chain = view_layout(node, start=(product.result, out))
     return layout, chain
 
@@ -395,12 +394,12 @@ def _result_layout(node: Node, product: UnpaddedProduct, batch: tuple, a_rows: t
 def _contraction_projection(logits: Node) -> tuple[Node, Node, list[Node]]:
     """Logits as an einsum / matmul lowers them: ``bmm``/``mm`` of the keys and the
     pseudo-query, wrapped in reshapes and permutes (``einsum('d, ...d -> ...', w, K)``)."""
-    product = logits
-    while is_op(product, *LAYOUT_OPS):
-        product = product_under_slices(product.args[0])
-    if not is_op(product, aten.bmm.default, aten.mm.default):
+    node, product = logits, product_of_result(logits)
+    while product is None and is_op(node, *LAYOUT_OPS):
+        node = node.args[0]
+        product = product_of_result(node)
+    if product is None:
         raise NoMatch("logits are neither a projection nor a contraction with a query")
-    product = unpad_product(product)
     sides = _operand_layouts(product)
     for (wb, wl, wc), (kb, kl, kc), w_first in ((sides[0], sides[1], True),
                                                  (sides[1], sides[0], False)):
@@ -774,11 +773,9 @@ def _contraction_mix(p: Node, sources: Node, x32: Node, sd: int,
         n = only_user(n)
         if is_op(n, *LAYOUT_OPS):
             chain.append(n)
-    if is_op(n, aten.constant_pad_nd.default):  # pad_mm's padding of the source dim
-        n = only_user(n)
-    if not is_op(n, aten.bmm.default, aten.mm.default):
+    product = product_reading(n)  # through pad_mm's padding of the source dim, or upcasts
+    if product is None:
         raise NoMatch("softmax weights feed neither a weighted sum nor a contraction")
-    product = unpad_product(n)
     views = [product.result]  # the product and the single-user views after it
     while is_op(only_user_or_none(views[-1]), *LAYOUT_OPS):
         views.append(only_user(views[-1]))

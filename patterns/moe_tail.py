@@ -25,9 +25,9 @@ from torch.fx import Graph, Node
 
 import k3fusion.moe_tail  # noqa: F401  registers torch.ops.k3fusion.latent_moe_tail
 
-from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten, depends_on,
-                  erase_unused, external_users, fake_call, insert_call, is_graph_input, is_op,
-                  plan_size_reads, through_row_padding, val)
+from ._fx import (RESHAPES, NoMatch, all_or_nothing, apply_size_reads, aten,
+                  decomposed_product, depends_on, erase_unused, external_users, fake_call,
+                  insert_call, is_graph_input, is_op, plan_size_reads, through_row_padding, val)
 from .fusion import Fusion, FusionResult
 from .rms_norm import RMSNormMatch, eps_op_args
 
@@ -104,7 +104,11 @@ def _is_projection(node: object) -> bool:
     """A bare projection output: ``mm``, or ``addmm`` with a 1-D bias (a biased Linear).
     ``addmm(h, a, W.T)`` with a full-shape input is a residual add Inductor folded into
     the GEMM (``h + o_proj(a)``): the residual stream, not a projection."""
-    node, _ = through_row_padding(_through_views(node, []), [])
+    node = _through_views(node, [])
+    product = decomposed_product(node)
+    if product is not None and not product.batched:  # mode="max-autotune"'s one-row GEMM
+        return True
+    node, _ = through_row_padding(node, [])
     if is_op(node, aten.mm.default):
         return True
     return is_op(node, aten.addmm.default) and val(node.args[0]).dim() == 1
@@ -138,13 +142,18 @@ def match_moe_tail(anchor: Node, by_out: dict[Node, RMSNormMatch]) -> MoETailSit
             continue
         else:
             chain = [] if up_chain is None else list(up_chain)
-        mm, padded_h = (up, None) if up is anchor else through_row_padding(
-            _through_views(up, chain), chain)
-        if mm is not anchor and not is_op(mm, aten.mm.default):
-            continue
-        h_in, wt = (mm.args[1], mm.args[2]) if mm is anchor else (mm.args[0], mm.args[1])
-        if padded_h is not None:
-            h_in = padded_h
+        viewed = None if up is anchor else _through_views(up, chain)
+        product = None if viewed is None else decomposed_product(viewed)
+        if product is not None and not product.batched:  # mode="max-autotune", one row
+            chain += product.nodes
+            mm, h_in, wt = product.product, product.a, product.b
+        else:
+            mm, padded_h = (up, None) if up is anchor else through_row_padding(viewed, chain)
+            if mm is not anchor and not is_op(mm, aten.mm.default):
+                continue
+            h_in, wt = (mm.args[1], mm.args[2]) if mm is anchor else (mm.args[0], mm.args[1])
+            if padded_h is not None:
+                h_in = padded_h
         norm_chain: list[Node] = []
         norm = by_out.get(_through_views(h_in, norm_chain))
         if norm is None:

@@ -132,8 +132,35 @@ def gpu_softmax_form() -> Iterator[_OnlineSoftmax]:
         yield online
 
 
+def _coordinate_descent_decompositions() -> dict:
+    """Inductor's ``bmm`` / ``mm`` decompositions as a GPU build runs them under
+    coordinate-descent tuning (``mode="max-autotune"``): a GEMM of one row or one column
+    becomes an fp32 broadcast multiply and sum (the CPU build makes other forms, or none)."""
+    from torch._decomp.decompositions import pw_cast_for_opmath
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    aten = torch.ops.aten
+
+    @pw_cast_for_opmath
+    def bmm(self, batch2, out_dtype=None):
+        if out_dtype is None and (known(self.shape[1] == 1) or known(batch2.shape[2] == 1)):
+            return (self.unsqueeze(-1) * batch2.unsqueeze(1)).sum(dim=2)
+        return NotImplemented
+
+    @pw_cast_for_opmath
+    def mm(self, input2, out_dtype=None):
+        if out_dtype is None and (known(self.shape[0] == 1) or known(input2.shape[1] == 1)):
+            return (self.unsqueeze(2) * input2.unsqueeze(0)).sum(dim=1)
+        if (out_dtype is None and known(self.size(-1) == 1) and known(self.size(0) != 1)
+                and known(input2.size(1) != 1)):
+            return self * input2
+        return NotImplemented
+
+    return {aten.bmm.default: bmm, aten.mm.default: mm}
+
+
 @contextlib.contextmanager
-def gpu_gemm_forms() -> Iterator[None]:
+def gpu_gemm_forms(max_autotune: bool = False) -> Iterator[None]:
     """Compiles under this build the GEMMs a CUDA compile may build, which only a GPU build
     makes (the fusion passes run after both):
 
@@ -143,17 +170,27 @@ def gpu_gemm_forms() -> Iterator[None]:
       and fp32 only under TF32; here every such GEMM is padded.
     * ``unfuse_bias_add_to_pointwise`` (post-grad) splits an ``addmm`` that only pointwise
       ops read into ``mm`` + a bias add (fp32; 16-bit ``addmm`` stays whole off XPU).
+    * ``max_autotune``: also the decompositions of one-row / one-column GEMMs that
+      ``mode="max-autotune"`` (coordinate-descent tuning) makes on a GPU, before ``pad_mm``.
     """
     from unittest import mock
 
     from torch._inductor import config as inductor_config
+    from torch._inductor import decomposition
     from torch._inductor.fx_passes import pad_mm, post_grad
 
+    cached = getattr(decomposition.fast_random_decomps, "cache_clear", lambda: None)
+    table = _coordinate_descent_decompositions() if max_autotune else {}
     with mock.patch.object(pad_mm, "has_triton", lambda: True), \
             mock.patch.object(pad_mm, "check_device", lambda a, b: True), \
             mock.patch.object(post_grad, "is_gpu", lambda device_type: True), \
+            mock.patch.dict(decomposition.decompositions, table), \
             inductor_config.patch(force_shape_pad=True):
-        yield
+        cached()
+        try:
+            yield
+        finally:
+            cached()
 
 
 # --------------------------------------------------------------------------- the backend

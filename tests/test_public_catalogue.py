@@ -169,9 +169,10 @@ def test_entries_compile_at_any_token_count(group, tokens, dynamic):
     the near relatives fuse nothing, so the graph Inductor compiles for them is its own);
     the output equals eager's within bf16 rounding of the fused sums.
 
-    Token counts: decode (1: size-1 dims, its own views and layouts), none (0: zero-size
-    buffers) and any (a dynamic T, hinted at 64: lowering on symbolic sizes; in the GEMM
-    forms of a GPU build, ``gpu_gemm_forms``). A static
+    Token counts: decode (1: size-1 dims, its own views and layouts; in the GEMM forms of
+    a GPU build under ``mode="max-autotune"``), none (0: zero-size buffers) and any (a
+    dynamic T, hinted at 64: lowering on symbolic sizes; in the GEMM forms of a GPU build,
+    ``gpu_gemm_forms``). A static
     compile at a general T (it was T = 64 too, until 2026-12-05) is the fused graph of
     ``test_entry_fuses_its_sites_and_is_as_accurate_as_eager`` (T = 5, fp32 and bf16,
     Inductor's passes for real: the same sites by name, no less accurate than eager),
@@ -182,9 +183,12 @@ def test_entries_compile_at_any_token_count(group, tokens, dynamic):
     module = SideBySide([(m, len(a)) for m, a in zip(models, args)])
     flat = [t for a in args for t in a]
     be = LoweringBackend()
-    # At a dynamic T, the GEMMs a GPU build makes (gpu_gemm_forms): pad_mm leaves the
-    # symbolic rows alone but pads the static dims, e.g. the einsum mix's 3-9 sources.
-    with gpu_gemm_forms() if dynamic else contextlib.nullcontext():
+    # The GEMMs a GPU build makes (gpu_gemm_forms). At a dynamic T: pad_mm leaves the
+    # symbolic rows alone but pads the static dims, e.g. the einsum mix's 3-9 sources. At
+    # T 1: mode="max-autotune"'s, one-row / one-column GEMMs decomposed (the mix's one row
+    # of weights, the logits' one column, a decode token's projections), the rest padded.
+    forms = gpu_gemm_forms(max_autotune=True) if tokens == 1 else gpu_gemm_forms()
+    with forms if tokens == 1 or dynamic else contextlib.nullcontext():
         compiled = torch.compile(module, backend=be, dynamic=dynamic, fullgraph=True)
         with torch.no_grad(), spec_path():
             want, got = module(*flat), compiled(*flat)
