@@ -186,7 +186,7 @@ def _fp32_operand(node: object, nodes: list[Node]) -> object:
     return node
 
 
-def decomposed_product(node: object) -> UnpaddedProduct | None:
+def decomposed_product(node: object, rounded: bool = True) -> UnpaddedProduct | None:
     """Inductor's decomposition of a skinny GEMM on GPUs under coordinate-descent tuning
     (``mode="max-autotune"``), when ``node`` is its result: one row or one column, in
     fp32 (16-bit operands upcast, the sum cast back)::
@@ -194,7 +194,9 @@ def decomposed_product(node: object) -> UnpaddedProduct | None:
         bmm: (a.unsqueeze(-1) * b.unsqueeze(1)).sum(2)     # [B, M, K] @ [B, K, N]
         mm:  (a.unsqueeze(2) * b.unsqueeze(0)).sum(1)      # [M, K] @ [K, N]
 
-    None for anything else."""
+    None for anything else, and (``rounded``) where the product is not rounded as the
+    GEMM's: upcast 16-bit operands with no cast back, or one not upcast (Inductor drops a
+    cast pair between two GEMMs, torch 2.11)."""
     nodes: list[Node] = []
     total = node
     if is_op(total, prims.convert_element_type.default):
@@ -216,8 +218,8 @@ def decomposed_product(node: object) -> UnpaddedProduct | None:
                for u, d in ((first, at_a), (second, at_b))):
             a = _fp32_operand(first.args[0], nodes)
             b = _fp32_operand(second.args[0], nodes)
-            if val(a).dim() == val(b).dim() == rank - 1 and (
-                    nodes == [] or val(node).dtype == val(a).dtype == val(b).dtype):
+            if val(a).dim() == val(b).dim() == rank - 1 and (not rounded or nodes == [] or (
+                    val(node).dtype == val(a).dtype == val(b).dtype)):
                 return UnpaddedProduct(total, a, b, node,
                                        nodes + [first, second, mul], batched)
     return None

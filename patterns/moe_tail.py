@@ -105,8 +105,9 @@ def _is_projection(node: object) -> bool:
     ``addmm(h, a, W.T)`` with a full-shape input is a residual add Inductor folded into
     the GEMM (``h + o_proj(a)``): the residual stream, not a projection."""
     node = _through_views(node, [])
-    product = decomposed_product(node)
-    if product is not None and not product.batched:  # mode="max-autotune"'s one-row GEMM
+    # mode="max-autotune"'s one-row GEMM (its rounding is the partner's own business)
+    product = decomposed_product(node, rounded=False)
+    if product is not None and not product.batched:
         return True
     node, _ = through_row_padding(node, [])
     if is_op(node, aten.mm.default):
