@@ -19,9 +19,10 @@ and what it requires), the interpreter's form: docs/design-notes.md, "kernels/at
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,11 +37,15 @@ __all__ = ["attn_res", "pick_launch_shape", "LaunchShape", "PREFILL_TOKENS", "SP
            "DECODE_SOURCES_PER_TILE", "PREFILL_SOURCES_PER_TILE", "SPLIT_MAX_TOKENS",
            "SPLIT_CHUNK", "SPLIT_MAX_PROGRAMS", "SPLIT_MAX_SOURCES", "PREFILL_LOOP_STAGES",
            "EARLY_TILE_MAX_TOKENS", "LAUNCH_TABLE", "TILE_MAX_PER_THREAD", "table_shape",
-           "parse_shape", "TRIGGERS"]
+           "parse_shape", "TRIGGERS", "LAUNCH_TABLE_BY_GPU", "launch_table",
+           "device_table_name"]
 
 #: Switch for measurements (docs/bench-methods.md, ``--late-trigger``): True lets a PDL
 #: launch's dependents start after its last store instead of at its start.
 LATE_TRIGGER = False
+#: Switch for measurements: False keeps the column mask where the tiles cover the row
+#: exactly (``EVEN_H``), as before 2026-12-06.
+ELIDE_FULL_MASKS = True
 
 #: From this many tokens on, the row kernel uses its prefill shape (docs/experiments.md,
 #: "2026-11-29: the pipelined source loop (prefill shape from 256 tokens)"; summary: "kernels/attn_res.py").
@@ -98,8 +103,9 @@ TILE_MAX_PER_THREAD = 192
 #: row with ``T <= most tokens`` applies (``None``: any T). Shapes are named as the sweep names them:
 #: ``r<sources per tile>x<warps>`` the row kernel (``e``: first tile early, ``p<N>``:
 #: source loop pipelined N deep), ``solo<warps>`` the split kernel's one program per
-#: token, ``s<chunk>x<warps>`` the split kernel; a suffix ``L`` moves PDL's trigger after the
-#: last store, ``N`` launches without PDL (:attr:`LaunchShape.trigger`). Wider rows, more blocks, a shape past
+#: token, ``s<chunk>x<warps>`` the split kernel; a suffix ``M`` moves PDL's trigger to the
+#: computed mix, ``L`` after the last store, ``N`` launches without PDL
+#: (:attr:`LaunchShape.trigger`). Wider rows, more blocks, a shape past
 #: :data:`TILE_MAX_PER_THREAD` or outside the kernels' limits: the rule of
 #: :func:`pick_launch_shape` (``use_table=False``).
 LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
@@ -128,6 +134,48 @@ LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
 }
 
 
+#: Rows measured on another GPU, by its ``torch.cuda.get_device_name``: they replace (or,
+#: at a new token edge, add) the rows of :data:`LAUNCH_TABLE` with the same key and most
+#: tokens there; the rest of the table holds as measured on the H200.
+#: "NVIDIA H100 80GB HBM3": docs/benchmarks.md#against-both-public-kernels-on-an-h100-2026-12-06.
+LAUNCH_TABLE_BY_GPU: dict[str, dict[int, dict[int | None, str]]] = {
+    "NVIDIA H100 80GB HBM3": {
+        4 * 1024: {
+            32: "r1x8M solo8 solo8M solo8M r4x4e solo4 solo4 solo8 solo4",
+            64: "r1x8M solo8 solo8M solo8M solo8M solo4 solo4 solo8 solo4",
+            255: "r1x8 solo8 solo8M solo8M solo8 solo4 solo4 solo8 solo8",
+            575: "r1x2p3 r1x8p3 solo8M solo4M r1x2p3 r1x2p3 r1x2p3 r1x2p3 r1x2p3",
+        },
+        8 * 1024: {724: "solo16L solo16L r1x4M r1x4M r1x4M r1x4M r1x4M r1x4M r1x4M"},
+        16 * 1024: {255: "solo16 solo8 solo16 solo16 solo16 solo16 solo16 r4x8 r2x8p3"},
+    },
+}
+
+
+def launch_table(gpu: str | None = None) -> dict[int, tuple[tuple[int | None, str], ...]]:
+    """:data:`LAUNCH_TABLE` with the rows :data:`LAUNCH_TABLE_BY_GPU` has for ``gpu`` (a
+    device name; None or a GPU without rows of its own: the table as it is)."""
+    override = LAUNCH_TABLE_BY_GPU.get(gpu or "")
+    if not override:
+        return LAUNCH_TABLE
+    out = {}
+    for key, rows in LAUNCH_TABLE.items():
+        merged = dict(rows) | override.get(key, {})
+        out[key] = tuple(sorted(merged.items(),
+                                key=lambda r: float("inf") if r[0] is None else r[0]))
+    return out
+
+
+def device_table_name(device: torch.device) -> str | None:
+    """The name :data:`LAUNCH_TABLE_BY_GPU` knows ``device`` by (None off CUDA)."""
+    return cuda_device_name(device.index) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 # ---------------------------------------------------------------------- shared pieces
 
 
@@ -142,6 +190,15 @@ def _update_prefix(prefix_ptr, delta_ptr, prefix_out_ptr, cols, cmask, HAS_DELTA
         p = (p.to(tl.float32) + d.to(tl.float32)).to(prefix_ptr.dtype.element_ty)
         tl.store(prefix_out_ptr + cols, p, mask=cmask)
     return p
+
+
+@triton.jit
+def _column_mask(cols, H, EVEN_H: tl.constexpr):
+    """``cols < H``; all true at compile time where the tiles cover the row exactly
+    (``EVEN_H``), so no load or store is predicated on it."""
+    if EVEN_H:
+        return tl.full(cols.shape, 1, tl.int1)
+    return cols < H
 
 
 @triton.jit
@@ -239,12 +296,14 @@ def _attn_res_kernel(
     OUT_WEIGHT_IN_FP32: tl.constexpr,
     PDL: tl.constexpr,
     LATE_TRIGGER: tl.constexpr,
+    MIX_TRIGGER: tl.constexpr,
+    EVEN_H: tl.constexpr,
 ):
     """One program per token (``grid = (T,)``), online softmax over the sources."""
     dependent_start(PDL, LATE_TRIGGER)
     tok = tl.program_id(0).to(tl.int64)  # int64: token * stride overflows int32
     cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
+    cmask = _column_mask(cols, H, EVEN_H)
     dtype = prefix_ptr.dtype.element_ty
 
     blocks_row = blocks_ptr + tok * blocks_token_stride
@@ -294,13 +353,14 @@ def _attn_res_kernel(
     # The spec rounds the mix to the model dtype (a module materializes it) before the
     # output norm reads it.
     mixed = mixed.to(dtype)
+    dependents_may_start(PDL, MIX_TRIGGER)
     inv_rms = 0.0
     if HAS_OUT_NORM:
         y = mixed.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(y * y, axis=0) / H + out_eps)
     _store_output(out_ptr + tok * out_stride + cols, mixed, cmask, out_norm_w_ptr + cols,
                   inv_rms, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
-    dependents_may_start(PDL, LATE_TRIGGER)
+    dependents_may_start(PDL, LATE_TRIGGER and not MIX_TRIGGER)
 
 
 # ---------------------------------------------------------------------- split kernel
@@ -385,6 +445,8 @@ def _attn_res_split_kernel(
     PHASE: tl.constexpr,
     PDL: tl.constexpr,
     LATE_TRIGGER: tl.constexpr,
+    MIX_TRIGGER: tl.constexpr,
+    EVEN_H: tl.constexpr,
 ):
     """``grid = (N_CHUNKS, T)``: program ``(c, t)`` owns columns ``[c*CHUNK, (c+1)*CHUNK)``
     of token ``t``. ``PHASE`` 0 runs all of it, exchanging through epoch-tagged words;
@@ -394,7 +456,7 @@ def _attn_res_split_kernel(
     chunk = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    cmask = cols < H
+    cmask = _column_mask(cols, H, EVEN_H)
     dtype = prefix_ptr.dtype.element_ty
     srcs = tl.arange(0, S_PAD)
     # A token's words: its launch counter, then one record per chunk -- sum(v*g) and
@@ -470,6 +532,7 @@ def _attn_res_split_kernel(
             e = tl.exp(logit - tl.max(logit, axis=0))
             w = e / tl.sum(e, axis=0)
             mixed = tl.sum(w[:, None] * x, axis=0).to(dtype)
+    dependents_may_start(PDL, MIX_TRIGGER)
     if PHASE != 1:
         sq_ptr = rec + 2 * S_PAD  # the chunk's one word of the second exchange
         if HAS_OUT_NORM:
@@ -495,7 +558,7 @@ def _attn_res_split_kernel(
                 _publish(sq_ptr, tl.full([], 0.0, tl.float32), epoch, PHASE)
             _store_output(out_ptr + tok * out_stride + cols, mixed, cmask,
                           out_norm_w_ptr + cols, 0.0, HAS_OUT_NORM, OUT_WEIGHT_IN_FP32)
-    dependents_may_start(PDL, LATE_TRIGGER)
+    dependents_may_start(PDL, LATE_TRIGGER and not MIX_TRIGGER)
 
 
 # ---------------------------------------------------------------------- launch
@@ -516,14 +579,15 @@ class LaunchShape:
     #: Row kernel: load the first source tile before the prefix (its own round trip).
     early_tile: bool = False
     #: Where a PDL launch lets the next launch start: ``"entry"`` (after its wait),
-    #: ``"exit"`` (after its last store) or ``"off"`` (not a PDL launch unless the caller
-    #: asks for one). Table names: no suffix, ``L``, ``N``.
+    #: ``"mix"`` (once its mix is computed, before the output norm and stores), ``"exit"``
+    #: (after its last store) or ``"off"`` (not a PDL launch unless the caller asks for
+    #: one). Table names: no suffix, ``M``, ``L``, ``N``.
     trigger: str = "entry"
 
 
-_LABEL = re.compile(r"(?:r(\d+)x(\d+)(e?)(?:p(\d+))?|solo(\d+)|s(\d+)x(\d+))([LN]?)")
+_LABEL = re.compile(r"(?:r(\d+)x(\d+)(e?)(?:p(\d+))?|solo(\d+)|s(\d+)x(\d+))([MLN]?)")
 #: A table name's suffix -> :attr:`LaunchShape.trigger`.
-TRIGGERS = {"": "entry", "L": "exit", "N": "off"}
+TRIGGERS = {"": "entry", "M": "mix", "L": "exit", "N": "off"}
 
 
 def parse_shape(name: str, H: int) -> LaunchShape:
@@ -552,16 +616,19 @@ def tile_rows(shape: LaunchShape, num_blocks: int) -> int:
     return num_blocks + 1
 
 
-def table_shape(T: int, H: int, num_blocks: int, element_size: int = 2) -> LaunchShape | None:
-    """The :data:`LAUNCH_TABLE` shape for this point, or None where the table does not
-    apply: a row wider than its widest key, more blocks than its columns, a shape the
-    kernels cannot launch here (the split kernel's grid and source limits, its PTX exchange
-    on NVIDIA only, the pipeline's shared memory) or past :data:`TILE_MAX_PER_THREAD`."""
+def table_shape(T: int, H: int, num_blocks: int, element_size: int = 2,
+                gpu: str | None = None) -> LaunchShape | None:
+    """The :func:`launch_table` shape for this point (``gpu``: the device's name), or None
+    where the table does not apply: a row wider than its widest key, more blocks than its
+    columns, a shape the kernels cannot launch here (the split kernel's grid and source
+    limits, its PTX exchange on NVIDIA only, the pipeline's shared memory) or past
+    :data:`TILE_MAX_PER_THREAD`."""
+    table = launch_table(gpu)
     row_bytes = triton.next_power_of_2(max(H, 1)) * element_size
-    key = next((k for k in sorted(LAUNCH_TABLE) if row_bytes <= k), None)
+    key = next((k for k in sorted(table) if row_bytes <= k), None)
     if key is None or not 0 <= num_blocks:
         return None
-    names = next(row for most, row in LAUNCH_TABLE[key] if most is None or T <= most).split()
+    names = next(row for most, row in table[key] if most is None or T <= most).split()
     if num_blocks >= len(names):
         return None
     shape = parse_shape(names[num_blocks], H)
@@ -584,11 +651,12 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
                       sources_per_tile: int = 0, num_warps: int = 0, kind: str = "auto",
                       chunk: int = 0, split_max_tokens: int | None = None,
                       loop_stages: int = 0, element_size: int = 2,
-                      early_tile: bool | None = None, use_table: bool = True) -> LaunchShape:
+                      early_tile: bool | None = None, use_table: bool = True,
+                      trigger: str | None = None, gpu: str | None = None) -> LaunchShape:
     """Launch shape for ``T`` tokens of width ``H`` with ``num_blocks`` completed blocks.
 
-    Without overrides: the measured :data:`LAUNCH_TABLE` (:func:`table_shape`) where it
-    applies. Otherwise (or with ``use_table=False``, or any of the override arguments
+    Without overrides: the measured table (:func:`table_shape`; ``gpu``: the device's
+    name, :func:`device_table_name`) where it applies. Otherwise (or with ``use_table=False``, or any of the override arguments
     below given) the rule:
 
     * split kernel for ``T <= split_max_tokens`` (default :data:`SPLIT_MAX_TOKENS`) and
@@ -606,14 +674,24 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
     ``kind`` ("split"/"row"), ``chunk``, ``sources_per_tile`` and ``num_warps``
     override (tests, the benchmark sweep); ``sources_per_tile > 0`` implies the row kernel,
     ``chunk > 0`` (without it) the split kernel; a ``loop_stages`` or ``early_tile`` given
-    is taken as is.
+    is taken as is. ``trigger`` (one of :data:`TRIGGERS`' values) replaces the chosen
+    shape's PDL trigger, the table's or the rule's.
     """
+    if trigger is not None:
+        if trigger not in TRIGGERS.values():
+            raise ValueError(f"trigger must be one of {sorted(TRIGGERS.values())}, "
+                             f"got {trigger!r}")
+        return replace(pick_launch_shape(
+            T, H, num_blocks, prefill_tokens=prefill_tokens, sources_per_tile=sources_per_tile,
+            num_warps=num_warps, kind=kind, chunk=chunk, split_max_tokens=split_max_tokens,
+            loop_stages=loop_stages, element_size=element_size, early_tile=early_tile,
+            use_table=use_table, gpu=gpu), trigger=trigger)
     if kind not in ("auto", "split", "row"):
         raise ValueError(f"kind must be 'auto', 'split' or 'row', got {kind!r}")
     if use_table and kind == "auto" and not (
             prefill_tokens is not None or sources_per_tile or num_warps or chunk
             or split_max_tokens is not None or loop_stages or early_tile is not None):
-        shape = table_shape(T, H, num_blocks, element_size)
+        shape = table_shape(T, H, num_blocks, element_size, gpu)
         if shape is not None:
             return shape
     block_h = triton.next_power_of_2(max(H, 1))
@@ -661,16 +739,18 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
                        loop_stages=loop_stages, early_tile=bool(early_tile))
 
 
-def pdl_flags(pdl: bool, asked: bool | None, shape: LaunchShape) -> tuple[bool, bool]:
-    """``(PDL, LATE_TRIGGER)`` of a launch of ``shape``: ``pdl`` whether it can be a PDL
-    launch (:func:`_launch.pdl_launch`), ``asked`` the caller's ``pdl``. The shape's
-    trigger applies where the caller left PDL to the launch (None); ``pdl=True`` keeps it
-    a PDL launch even where the shape says ``"off"``."""
+def pdl_flags(pdl: bool, asked: bool | None, shape: LaunchShape) -> tuple[bool, bool, bool]:
+    """``(PDL, LATE_TRIGGER, MIX_TRIGGER)`` of a launch of ``shape``: ``pdl`` whether it can
+    be a PDL launch (:func:`_launch.pdl_launch`), ``asked`` the caller's ``pdl``. The
+    shape's trigger applies where the caller left PDL to the launch (None); ``pdl=True``
+    keeps it a PDL launch even where the shape says ``"off"``. ``LATE_TRIGGER``: not at
+    entry; ``MIX_TRIGGER``: at the mix (``LATE_TRIGGER`` moves it to the exit)."""
     if shape.trigger not in TRIGGERS.values():
         raise ValueError(f"shape.trigger must be one of {sorted(TRIGGERS.values())}, "
                          f"got {shape.trigger!r}")
     pdl = pdl and not (shape.trigger == "off" and asked is None)
-    return pdl, pdl and (LATE_TRIGGER or shape.trigger == "exit")
+    late = pdl and (LATE_TRIGGER or shape.trigger in ("exit", "mix"))
+    return pdl, late, late and not LATE_TRIGGER and shape.trigger == "mix"
 
 
 @on_tensor_device
@@ -734,8 +814,8 @@ def attn_res(
         raise ValueError(f"block_write_idx {block_write_idx} outside [{num_blocks}, {nb_max})")
     if not isinstance(shape, LaunchShape):
         shape = pick_launch_shape(T, H, num_blocks, element_size=blocks.element_size(),
-                                  **(shape or {}))
-    pdl, late_trigger = pdl_flags(pdl, pdl_asked, shape)
+                                  gpu=device_table_name(prefix.device), **(shape or {}))
+    pdl, late_trigger, mix_trigger = pdl_flags(pdl, pdl_asked, shape)
     has_delta = delta is not None
     has_norm = out_norm_w is not None
     common = (
@@ -750,7 +830,8 @@ def attn_res(
     flags = dict(HAS_DELTA=has_delta, WRITE_BLOCK=write, HAS_OUT_NORM=has_norm,
                  OUT_WEIGHT_IN_FP32=bool(out_weight_in_fp32), NUM_BLOCKS=int(num_blocks),
                  num_warps=shape.num_warps,
-                 PDL=pdl, LATE_TRIGGER=late_trigger,
+                 PDL=pdl, LATE_TRIGGER=late_trigger, MIX_TRIGGER=mix_trigger,
+                 EVEN_H=ELIDE_FULL_MASKS and H % (shape.chunk or shape.block_h) == 0,
                  **({"launch_pdl": True} if pdl else {}))
     if shape.kind == "row":
         _attn_res_kernel[(T,)](*common, H, float(eps), float(out_eps),

@@ -69,16 +69,22 @@ for i, const in enumerate({list(consts)!r}):
     return ptxs
 
 
-def assert_pdl_order(ptx: str, pdl: bool, late_trigger: bool = False) -> None:
+def assert_pdl_order(ptx: str, pdl: bool, late_trigger: bool = False,
+                     mix_trigger: bool = False) -> None:
     """A ``PDL`` form waits for the previous launch (griddepcontrol.wait) before any global
-    load, then lets the next launch start -- at once, or with ``late_trigger`` after its
-    last global store; without PDL neither instruction is there."""
+    load, then lets the next launch start -- at once, with ``late_trigger`` after its last
+    global store, with ``mix_trigger`` as well between its first and its last (the
+    AttnRes kernels: after the prefix update, before the output); without PDL neither
+    instruction is there."""
     lines = [x.strip() for x in ptx.splitlines()]
     at = [i for i, x in enumerate(lines) if "griddepcontrol.wait" in x]
     go = [i for i, x in enumerate(lines) if "griddepcontrol.launch_dependents" in x]
     loads = [i for i, x in enumerate(lines) if "ld.global" in x]
     stores = [i for i, x in enumerate(lines) if "st.global" in x]
-    if pdl and late_trigger:
+    if pdl and mix_trigger:
+        assert len(at) == 1 and len(go) == 1 and at[0] < min(loads), (at, loads[:1])
+        assert min(stores) < go[0] < max(stores), (go, stores[:1], stores[-1:])
+    elif pdl and late_trigger:
         assert len(at) == 1 and len(go) == 1 and at[0] < min(loads), (at, loads[:1])
         assert go[0] > max(stores), (go, stores[-1:])
     elif pdl:

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import tempfile
+import traceback
 
 import torch
 
@@ -112,6 +113,8 @@ def main(argv=None) -> int:
         except Exception as e:  # lowering fails without CUDA: that is expected
             if "not compiled with CUDA" not in str(e):
                 error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                if args.v:
+                    traceback.print_exc()
         got = dict(k3fusion.match_counts())
         got.pop("attn_res_delta_handoff", None)
         want = entry.expected(dtype, args.dynamic)[0]

@@ -812,7 +812,8 @@ def test_split_kernel_one_program_form_compiles_for_hopper() -> None:
     ptx = hopper_ptx("k3fusion.kernels.attn_res:_attn_res_split_kernel", "the one-program form",
                      dict(CHUNK=2048, NUM_BLOCKS=9, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=16,
                           HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True,
-                          OUT_WEIGHT_IN_FP32=False, PHASE=0, PDL=False),
+                          OUT_WEIGHT_IN_FP32=False, PHASE=0, PDL=False, LATE_TRIGGER=False,
+                          EVEN_H=False, MIX_TRIGGER=False),
                      pointers={"words_ptr": "*i64"}, num_warps=8)
     assert "atom" not in ptx and "ld.volatile" not in ptx
 
@@ -827,7 +828,8 @@ def test_split_kernel_exchange_compiles_for_hopper() -> None:
     ptx = hopper_ptx("k3fusion.kernels.attn_res:_attn_res_split_kernel", "the split kernel",
                      dict(CHUNK=512, NUM_BLOCKS=9, N_CHUNKS=14, N_CHUNKS_PAD=16, S_PAD=16,
                           HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True,
-                          OUT_WEIGHT_IN_FP32=False, PHASE=0, PDL=False),
+                          OUT_WEIGHT_IN_FP32=False, PHASE=0, PDL=False, LATE_TRIGGER=False,
+                          EVEN_H=False, MIX_TRIGGER=False),
                      pointers={"words_ptr": "*i64"}, num_warps=2)
     lines = [line.strip() for line in ptx.splitlines()]
     assert not [x for x in lines if x.startswith("fence.")]
@@ -849,7 +851,8 @@ def test_row_kernel_source_loop_loads_evict_first() -> None:
     ptx = hopper_ptx("k3fusion.kernels.attn_res:_attn_res_kernel", "the row kernel",
                      dict(BLOCK_H=1024, NUM_BLOCKS=8, SOURCES_PER_TILE=4, LOOP_STAGES=1,
                           EARLY_TILE=True, HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True,
-                          OUT_WEIGHT_IN_FP32=False, PDL=False))
+                          OUT_WEIGHT_IN_FP32=False, PDL=False, LATE_TRIGGER=False,
+                          EVEN_H=False, MIX_TRIGGER=False))
     # predicated loads: "@%p1 ld.global..."
     loads = [x.split()[1] for x in ptx.splitlines() if " ld.global" in x]
     hinted = [x for x in loads if x.startswith("ld.global.L1::evict_first.L2::cache_hint")]
@@ -861,6 +864,29 @@ def test_row_kernel_source_loop_loads_evict_first() -> None:
 
 
 @pytest.mark.parametrize("kernel", ["_attn_res_kernel", "_attn_res_split_kernel"])
+def test_rows_the_tiles_cover_exactly_take_no_column_predicate(kernel: str) -> None:
+    """``EVEN_H`` (the launcher's where the row's width is a multiple of the tile's): the
+    column mask is true at compile time, so the loads and stores of a step with no
+    blocks (prefix, delta, weights; prefix, block, output) carry no predicate; without it
+    every one does."""
+    const = (dict(BLOCK_H=1024, SOURCES_PER_TILE=1, LOOP_STAGES=1, EARLY_TILE=False)
+             if kernel == "_attn_res_kernel" else
+             dict(CHUNK=1024, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=2, PHASE=0))
+    const.update(NUM_BLOCKS=0, HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True,
+                 OUT_WEIGHT_IN_FP32=False, PDL=False, LATE_TRIGGER=False, MIX_TRIGGER=False)
+    ptxs = hopper_ptxs(f"k3fusion.kernels.attn_res:{kernel}", f"{kernel}, EVEN_H forms",
+                       [dict(const, EVEN_H=even) for even in (True, False)],
+                       pointers={"words_ptr": "*i64"})
+    for even, ptx in zip((True, False), ptxs, strict=True):
+        memory = [x.strip() for x in ptx.splitlines()
+                  if " ld.global" in x or " st.global" in x or x.strip().startswith(
+                      ("ld.global", "st.global"))]
+        predicated = [x for x in memory if x.startswith("@")]
+        assert memory and (not predicated if even else len(predicated) == len(memory)), (
+            even, memory)
+
+
+@pytest.mark.parametrize("kernel", ["_attn_res_kernel", "_attn_res_split_kernel"])
 def test_pdl_form_waits_before_its_first_load(kernel: str) -> None:
     """``PDL``: the launch may start while the previous one runs, so it waits for it
     (griddepcontrol.wait) before any global load -- weights included -- then lets the
@@ -869,12 +895,14 @@ def test_pdl_form_waits_before_its_first_load(kernel: str) -> None:
                   EARLY_TILE=True) if kernel == "_attn_res_kernel" else
              dict(CHUNK=1024, NUM_BLOCKS=3, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=4, PHASE=0))
     const.update(HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False)
-    forms = ((True, False), (True, True), (False, False))
+    forms = ((True, False, False), (True, True, False), (True, True, True),
+             (False, False, False))
     ptxs = hopper_ptxs(f"k3fusion.kernels.attn_res:{kernel}", f"{kernel}, PDL forms",
-                       [dict(const, PDL=pdl, LATE_TRIGGER=late) for pdl, late in forms],
+                       [dict(const, PDL=pdl, LATE_TRIGGER=late, MIX_TRIGGER=mix, EVEN_H=False)
+                        for pdl, late, mix in forms],
                        pointers={"words_ptr": "*i64"})
-    for (pdl, late), ptx in zip(forms, ptxs, strict=True):
-        assert_pdl_order(ptx, pdl, late)
+    for (pdl, late, mix), ptx in zip(forms, ptxs, strict=True):
+        assert_pdl_order(ptx, pdl, late, mix)
 
 
 # --------------------------------------------------------------- the tolerance helpers

@@ -18,8 +18,9 @@ import k3fusion
 import k3fusion.eager
 from k3fusion.bench import attn_res_sweep as sweep
 from k3fusion.kernels.attn_res import (
-    EARLY_TILE_MAX_TOKENS, LAUNCH_TABLE, PREFILL_TOKENS, SPLIT_MAX_GRID_Y, SPLIT_MAX_TOKENS,
-    TILE_MAX_PER_THREAD, LaunchShape, parse_shape, pick_launch_shape, table_shape, tile_rows,
+    EARLY_TILE_MAX_TOKENS, LAUNCH_TABLE, LAUNCH_TABLE_BY_GPU, PREFILL_TOKENS, SPLIT_MAX_GRID_Y,
+    SPLIT_MAX_TOKENS, TILE_MAX_PER_THREAD, LaunchShape, launch_table, parse_shape,
+    pick_launch_shape, table_shape, tile_rows,
 )
 
 from graph_utils import fresh_state  # noqa: F401
@@ -37,6 +38,15 @@ SWEEP_JSONS = [DOCS / "attn_res_decode_sweep_2026-12-03.json",
 #: From 256 tokens, oldest first: a later run's points replace an earlier run's.
 PREFILL_SWEEP_JSONS = [DOCS / "attn_res_decode_sweep.json",
                        DOCS / "attn_res_prefill_rows_2026-12-03.json"]
+H100 = "NVIDIA H100 80GB HBM3"
+#: The H100 runs its rows came from (2026-12-06): every candidate around the points where
+#: a public kernel was ahead, with each PDL trigger (entry, mix; exit at T 1/128/512), and
+#: the small grids' forms (split shapes, early tile) to 255 tokens.
+H100_PROBE_JSONS = [DOCS / "attn_res_h100_probe_h2048_2026-12-06.json",
+                    DOCS / "attn_res_h100_probe_h4096_2026-12-06.json",
+                    DOCS / "attn_res_h100_probe_small_grid_2026-12-06.json"]
+#: Every table: the H200's, and each GPU's with its own rows.
+TABLES = [None, *LAUNCH_TABLE_BY_GPU]
 
 
 def rule(T, H, nb, **kw) -> LaunchShape:
@@ -55,7 +65,7 @@ def test_table_entries_parse_fit_and_name_themselves() -> None:
     the per-thread tile bound the sweep used at the widest row of its bucket (bf16), and
     launchable there; the rows of a bucket end with one for any T."""
     assert sweep.MAX_PER_THREAD == TILE_MAX_PER_THREAD
-    for key, rows in LAUNCH_TABLE.items():
+    for gpu, key, rows in [(g, k, r) for g in TABLES for k, r in launch_table(g).items()]:
         mosts = [most for most, _ in rows]
         assert mosts[-1] is None and mosts[:-1] == sorted(mosts[:-1])
         H = key // 2
@@ -68,7 +78,7 @@ def test_table_entries_parse_fit_and_name_themselves() -> None:
                 assert sweep.label(shape) == n
                 width = shape.chunk or shape.block_h
                 assert tile_rows(shape, nb) * width <= TILE_MAX_PER_THREAD * 32 * shape.num_warps
-                assert table_shape(T, H, nb) == shape, (key, most, nb)
+                assert table_shape(T, H, nb, gpu=gpu) == shape, (gpu, key, most, nb)
                 if shape.kind == "row":
                     assert shape.sources_per_tile <= triton.next_power_of_2(nb + 1)
     with pytest.raises(ValueError, match="launch shape name"):
@@ -194,6 +204,69 @@ def test_the_table_triggers_match_the_probe_they_came_from() -> None:
             key, shape.trigger, p)
 
 
+# ------------------------------------------------------------------- rows per GPU
+
+
+def test_a_gpus_rows_replace_or_add_rows_of_the_table() -> None:
+    """``launch_table(gpu)``: the table itself for None and for a GPU without rows of its
+    own; for one with rows, each of them in place of the table's row with the same edge (or
+    added at a new edge, in token order), every other row the table's, and no row of its
+    own that says what the table says."""
+    assert launch_table(None) is LAUNCH_TABLE
+    assert launch_table("NVIDIA H200") is LAUNCH_TABLE
+    for gpu, override in LAUNCH_TABLE_BY_GPU.items():
+        table = launch_table(gpu)
+        assert set(table) == set(LAUNCH_TABLE) >= set(override)
+        for key, rows in table.items():
+            own, base = override.get(key, {}), dict(LAUNCH_TABLE[key])
+            assert dict(rows) == base | own
+            assert [m for m, _ in rows] == sorted(base.keys() | own.keys(),
+                                                  key=lambda m: float("inf") if m is None else m)
+            assert all(base.get(m) != names for m, names in own.items()), (gpu, key)
+    # the H100's: H 4096 prefill to 724 tokens in its own row, the rest as on the H200
+    assert name(512, 4096, 5, gpu=H100) == "r1x4M" and name(512, 4096, 5) == "r1x4p3L"
+    assert name(725, 4096, 5, gpu=H100) == name(725, 4096, 5) == "r1x4p3L"
+    assert name(1, 7168, 8, gpu=H100) == name(1, 7168, 8) == "s1024x4"
+
+
+def test_the_gpu_rows_match_the_probes_they_came_from() -> None:
+    """At every point of the H100 probes its rows came from, the shape they pick there (with
+    its PDL trigger) was timed and checked and is within 5% of the best."""
+    points = 0
+    for path in H100_PROBE_JSONS:
+        result = json.loads(path.read_text())
+        assert result["gpu"] == H100
+        for r in sweep.selection_check(result, keep_trigger=True):
+            points += 1
+            assert r["chosen_us"] is not None and r["chosen_us"] <= 1.05 * r["best_us"], r
+    assert points == 9 + 4 + 9
+
+
+def test_the_launcher_reads_its_devices_rows(monkeypatch) -> None:
+    """The launcher asks for its tensors' device's rows (``device_table_name``; None on the
+    CPU) and launches what they say."""
+    asked, launched = [], []
+    monkeypatch.setattr(MOD, "device_table_name", lambda device: asked.append(device) or H100)
+    real = MOD.pick_launch_shape
+
+    def spy(*args, **kw):
+        launched.append(real(*args, **kw))
+        return launched[-1]
+
+    monkeypatch.setattr(MOD, "pick_launch_shape", spy)
+    T, H, nb = 3, 96, 2  # the 4 KiB rows: solo8 on the H200, solo8M on the H100
+    args = sweep.make_inputs(T, H, "cuda" if torch.cuda.is_available() else "cpu", seed=0)
+    prefix, delta, bank, norm_w, proj_w, out_w = args
+    out = torch.empty_like(prefix)
+    MOD.attn_res(prefix, bank, nb, norm_w, proj_w[0], sweep.EPS, out, delta=delta,
+                 prefix_out=prefix, block_write_idx=nb, out_norm_w=out_w, out_eps=sweep.EPS)
+    assert asked == [prefix.device]
+    assert [sweep.label(s) for s in launched] == ["solo8M"] and name(T, H, nb) == "solo8"
+    assert MOD.device_table_name(torch.device("cpu")) == H100  # (the patch)
+    monkeypatch.undo()
+    assert MOD.device_table_name(torch.device("cpu")) is None
+
+
 # ------------------------------------------------------------ every selected shape, run
 
 
@@ -209,8 +282,8 @@ def _launch_kw(shape: LaunchShape, H: int) -> dict:
                 num_warps=shape.num_warps)
 
 
-SELECTED = sorted({(n, nb) for rows in LAUNCH_TABLE.values() for _, names in rows
-                   for nb, n in enumerate(names.split())})
+SELECTED = sorted({(n, nb) for gpu in TABLES for rows in launch_table(gpu).values()
+                   for _, names in rows for nb, n in enumerate(names.split())})
 
 
 @pytest.mark.parametrize("shape_name,nb", SELECTED, ids=[f"{n}-nb{nb}" for n, nb in SELECTED])
@@ -248,7 +321,7 @@ def test_compiled_and_eager_paths_pick_the_same_launch(monkeypatch, H: int, nb: 
 
     def spy(T, H, num_blocks, **kw):
         shape = real(T, H, num_blocks, **kw)
-        calls.append(((T, H, num_blocks, kw["element_size"]), shape))
+        calls.append(((T, H, num_blocks, kw["element_size"], kw["gpu"]), shape))
         return shape
 
     monkeypatch.setattr(MOD, "pick_launch_shape", spy)
@@ -269,7 +342,8 @@ def test_compiled_and_eager_paths_pick_the_same_launch(monkeypatch, H: int, nb: 
                             sweep.EPS)
     assert calls and calls == compiled_calls[-len(calls):]
     (question, shape), = calls
-    assert question == (T, H, nb, 2) and shape == table_shape(T, H, nb)
+    gpu = MOD.device_table_name(args[0].device)
+    assert question == (T, H, nb, 2, gpu) and shape == table_shape(T, H, nb, gpu=gpu)
 
 
 @pytest.mark.cuda
@@ -284,7 +358,8 @@ def test_selected_launches_match_the_spec_at_the_sweeps_sizes(H: int) -> None:
             run_and_check(c, seed=T * 16 + nb)
 
 
-@pytest.mark.parametrize("suffix,trigger", [("", "entry"), ("L", "exit"), ("N", "off")])
+@pytest.mark.parametrize("suffix,trigger", [("", "entry"), ("M", "mix"), ("L", "exit"),
+                                            ("N", "off")])
 @pytest.mark.parametrize("name", ["r1x8p3", "r4x8e", "solo16", "s1024x4"])
 def test_shape_names_carry_the_pdl_trigger(name, suffix, trigger):
     shape = parse_shape(name + suffix, 7168)
@@ -293,18 +368,32 @@ def test_shape_names_carry_the_pdl_trigger(name, suffix, trigger):
     assert replace(shape, trigger="entry") == parse_shape(name, 7168)
 
 
+def test_a_trigger_given_replaces_the_chosen_shapes():
+    """``pick_launch_shape(trigger=...)`` (the sweep's ``--triggers``): the shape the table
+    or the rule picks, with that trigger; anything else is refused by name."""
+    for T, H, nb in ((1, 7168, 8), (512, 4096, 5), (300, 9000, 2)):
+        for trigger in ("entry", "mix", "exit", "off"):
+            assert pick_launch_shape(T, H, nb, trigger=trigger) == replace(
+                pick_launch_shape(T, H, nb), trigger=trigger)
+    assert pick_launch_shape(1, 96, 3, kind="row", trigger="mix") == replace(
+        pick_launch_shape(1, 96, 3, kind="row"), trigger="mix")
+    with pytest.raises(ValueError, match="trigger"):
+        pick_launch_shape(1, 96, 3, trigger="late")
+
+
 def test_the_shape_trigger_decides_pdl_unless_the_caller_does():
     from k3fusion.kernels.attn_res import pdl_flags
 
     shapes = {t: parse_shape("solo8" + s, 7168) for s, t in
-              (("", "entry"), ("L", "exit"), ("N", "off"))}
-    # (can PDL, caller's pdl, trigger) -> (PDL, LATE_TRIGGER)
-    assert pdl_flags(True, None, shapes["entry"]) == (True, False)
-    assert pdl_flags(True, None, shapes["exit"]) == (True, True)
-    assert pdl_flags(True, None, shapes["off"]) == (False, False)
-    assert pdl_flags(True, True, shapes["off"]) == (True, False)  # asked for: kept
+              (("", "entry"), ("M", "mix"), ("L", "exit"), ("N", "off"))}
+    # (can PDL, caller's pdl, trigger) -> (PDL, LATE_TRIGGER, MIX_TRIGGER)
+    assert pdl_flags(True, None, shapes["entry"]) == (True, False, False)
+    assert pdl_flags(True, None, shapes["mix"]) == (True, True, True)
+    assert pdl_flags(True, None, shapes["exit"]) == (True, True, False)
+    assert pdl_flags(True, None, shapes["off"]) == (False, False, False)
+    assert pdl_flags(True, True, shapes["off"]) == (True, False, False)  # asked for: kept
     for t in shapes:
-        assert pdl_flags(False, None, shapes[t]) == (False, False)
-        assert pdl_flags(False, False, shapes[t]) == (False, False)
+        assert pdl_flags(False, None, shapes[t]) == (False, False, False)
+        assert pdl_flags(False, False, shapes[t]) == (False, False, False)
     with pytest.raises(ValueError, match="trigger"):
         pdl_flags(True, None, replace(shapes["entry"], trigger="late"))

@@ -34,6 +34,41 @@ def test_candidates_cover_the_kernels_forms() -> None:
     assert not any(n.startswith(("r2", "r4", "r8", "r16")) for n in sweep.candidates(8, 4096, 0))
 
 
+def test_triggers_and_small_grids_widen_the_candidates(monkeypatch) -> None:
+    """``--triggers``: every candidate also with each PDL trigger (labels with the table's
+    suffix, the kernels' ``trigger`` argument); ``--small-grid-tokens``: the split kernel's
+    multi-program shapes and the early tile as candidates to that many tokens."""
+    plain = sweep.candidates(128, 2048, 3)
+    assert not any(n.endswith(("M", "L")) for n in plain)
+    assert not any(n.startswith("s") and n[1].isdigit() or "e" in n for n in plain)
+    monkeypatch.setattr(sweep, "TRIGGER_VARIANTS", ("entry", "mix"))
+    both = sweep.candidates(128, 2048, 3)
+    assert set(both) == set(plain) | {n + "M" for n in plain}
+    assert all(both[n + "M"] == {**plain[n], "trigger": "mix"} for n in plain)
+    monkeypatch.setattr(sweep, "TRIGGER_VARIANTS", None)
+    monkeypatch.setattr(sweep, "SPLIT_CANDIDATE_MAX_TOKENS", 128)
+    monkeypatch.setattr(sweep, "EARLY_CANDIDATE_MAX_TOKENS", 128)
+    small = sweep.candidates(128, 2048, 3)
+    assert {"s512x4", "s1024x4", "r4x8e", "r2x4e"} <= set(small) and set(plain) <= set(small)
+
+
+@pytest.mark.skipif(not kernels_are_interpreted(), reason="the dry run is the CPU form")
+def test_dry_run_with_triggers(tmp_path, monkeypatch) -> None:
+    """A run with ``--triggers`` checks each trigger's launches against the reference (the
+    trigger moves no store); ``--no-pdl`` with it is refused."""
+    for name in ("TRIGGER_VARIANTS", "SPLIT_CANDIDATE_MAX_TOKENS", "EARLY_CANDIDATE_MAX_TOKENS"):
+        monkeypatch.setattr(sweep, name, getattr(sweep, name))  # main sets them: restored
+    argv = ["--dry-run", "--chosen-only", "--num-blocks", "3", "--tokens", "1",
+            "--skip-inductor", "--jobs", "0", "--triggers", "entry", "mix", "exit"]
+    assert sweep.main(argv + ["--out", str(tmp_path / "a")]) == 0
+    (p,) = json.loads((tmp_path / "a" / "attn_res_sweep.json").read_text())["points"]
+    names = set(p["variants"])
+    assert {p["default"], p["default"] + "M", p["default"] + "L"} <= names
+    assert all(v["ok"] for v in p["variants"].values())
+    with pytest.raises(SystemExit):
+        sweep.main(argv + ["--no-pdl", "--out", str(tmp_path / "b")])
+
+
 def test_estimate_fits_one_device_call() -> None:
     plan = sweep.estimate(sweep.HIDDENS, sweep.NUM_BLOCKS, sweep.TOKENS, True)
     assert plan["estimated_timing_s"] < 300, plan

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import k3fusion
 from k3fusion import reference
-from k3fusion.kernels.attn_res import PREFILL_TOKENS, pick_launch_shape
+from k3fusion.kernels.attn_res import PREFILL_TOKENS, device_table_name, pick_launch_shape
 from k3fusion.kernels.attn_res import attn_res as launch
 
 from . import peers as peer_kernels
@@ -195,7 +195,8 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None, peers=(), *, device="
         variants.update({name: compile_uncached(attn_res_chain, backend)
                          for name, backend in compiled.items()})
         variants["fused_op"] = fused_op
-        shape = pick_launch_shape(t, hidden, NUM_BLOCKS)
+        gpu = device_table_name(torch.device(device))
+        shape = pick_launch_shape(t, hidden, NUM_BLOCKS, gpu=gpu)
         row = {"T": t, "floor_us": hbm_floor_us(_bytes(t, hidden)), "input_sets": len(sets),
                "shape": shape_label(shape)}
         chain_out = attn_res_chain(*_clone(sets[0]))[1]
@@ -219,7 +220,7 @@ def run(tokens=TOKENS, sweep: bool = False, compiled=None, peers=(), *, device="
             shapes += [("split", {"kind": "split", "chunk": a, "num_warps": w})
                        for a, w in SWEEP_SPLIT]
             for kind, kw in shapes:
-                label = shape_label(pick_launch_shape(t, hidden, NUM_BLOCKS, **kw))
+                label = shape_label(pick_launch_shape(t, hidden, NUM_BLOCKS, gpu=gpu, **kw))
                 row["sweep " + label] = cuda_graph_us(
                     lambda prefix, delta, bank, norm_w, proj_w, out_w, out, kw=kw:
                     launch(prefix, bank, NUM_BLOCKS, norm_w, proj_w[0], EPS, out,

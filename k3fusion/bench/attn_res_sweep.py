@@ -62,7 +62,14 @@ OUT_ULPS = 3.0
 ROW_TILES = (1, 2, 4, 8, 16)
 ROW_WARPS = (4, 8, 16)
 #: The row kernel's pipelined (prefill) shapes: (sources per tile, warps, stages).
-ROW_PIPELINED = ((1, 4, 3), (1, 8, 3), (2, 8, 3))
+ROW_PIPELINED = ((1, 2, 3), (1, 4, 2), (1, 4, 3), (1, 8, 3), (2, 8, 3))
+#: ... and its unpipelined ones past 128 tokens (``(1, 4)``: vLLM's NVIDIA kernel's
+#: prefill form): (sources per tile, warps).
+ROW_PREFILL = ((4, 16), (2, 8), (1, 4), (1, 8))
+#: Most tokens at which the split kernel's multi-program shapes, and the row kernel's early
+#: first tile, are candidates (the forms for grids of fewer programs than SMs).
+SPLIT_CANDIDATE_MAX_TOKENS = 32
+EARLY_CANDIDATE_MAX_TOKENS = 32
 #: The split kernel's (columns per program, warps).
 SPLIT_SHAPES = ((512, 4), (1024, 4), (2048, 8), (4096, 16))
 SOLO_WARPS = (4, 8, 16)
@@ -78,6 +85,12 @@ BYTES_ONLY_SHAPES = ((0, 4), (0, 8), (0, 16), (1024, 4), (512, 4))
 #: point; ``S`` in a label stands for the widest source tile there (every block at once).
 #: None: every candidate.
 FOCUS: tuple[str, ...] | None = None
+#: ``--triggers``: time every candidate with each of these PDL triggers too (the values
+#: of ``kernels.attn_res.TRIGGERS``); None: each with its own.
+TRIGGER_VARIANTS: tuple[str, ...] | None = None
+#: The GPU the sweep runs on, as the launch table knows it (``kernels.attn_res.
+#: device_table_name``): its rows decide the chosen shape's label. None off CUDA.
+GPU: str | None = None
 #: ``--no-pdl``: k3fusion's launches not as programmatic dependents (None: wherever the GPU
 #: can, the default).
 PDL: bool | None = None
@@ -134,7 +147,7 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
     block_h, sources = _pow2(H), _pow2(nb + 1)
 
     def add(kw: dict, bounded: bool = True) -> None:
-        shape = pick_launch_shape(T, H, nb, **kw)
+        shape = pick_launch_shape(T, H, nb, gpu=GPU, **kw)
         width = shape.chunk or shape.block_h
         if bounded and tile_rows(shape, nb) * width > MAX_PER_THREAD * 32 * shape.num_warps:
             return
@@ -144,7 +157,7 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
 
     add({}, bounded=False)
     add({"use_table": False}, bounded=False)
-    if T <= 32:
+    if T <= SPLIT_CANDIDATE_MAX_TOKENS:
         for chunk, w in SPLIT_SHAPES:
             if chunk < block_h:
                 add({"kind": "split", "chunk": chunk, "num_warps": w})
@@ -154,11 +167,11 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
     if T <= 128:
         for spt in tiles:
             for w in ROW_WARPS:
-                for early in ((True, False) if T <= 32 else (False,)):
+                for early in ((True, False) if T <= EARLY_CANDIDATE_MAX_TOKENS else (False,)):
                     add({"kind": "row", "sources_per_tile": spt, "num_warps": w,
                          "loop_stages": 1, "early_tile": early})
     else:
-        for spt, w in ((4, 16), (2, 8)):
+        for spt, w in ROW_PREFILL:
             if spt in tiles:
                 add({"kind": "row", "sources_per_tile": spt, "num_warps": w, "loop_stages": 1,
                      "early_tile": False})
@@ -171,6 +184,10 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
         widest = f"r{tiles[-1]}" if tiles else None
         want = {f.replace("rS", widest) if widest else f for f in FOCUS}
         out = {name: kw for i, (name, kw) in enumerate(out.items()) if i < 2 or name in want}
+    for name, kw in list(out.items()) if TRIGGER_VARIANTS else ():
+        for trigger in TRIGGER_VARIANTS:
+            out.setdefault(label(pick_launch_shape(T, H, nb, **kw, trigger=trigger, gpu=GPU)),
+                           {**kw, "trigger": trigger})
     return out
 
 
@@ -691,14 +708,17 @@ def selection_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def selection_check(result: dict) -> list[dict]:
-    """Per point of a saved sweep: what ``pick_launch_shape`` chooses now, its measured us
-    (None where the sweep did not time that shape), the best's and the previous default's."""
+def selection_check(result: dict, keep_trigger: bool = False) -> list[dict]:
+    """Per point of a saved sweep: what ``pick_launch_shape`` chooses now on the sweep's GPU,
+    its measured us (None where the sweep did not time that shape), the best's and the
+    previous default's. ``keep_trigger``: the chosen shape with its own PDL trigger (a
+    sweep with ``--triggers``), else at entry."""
     rows = []
     for p in result["points"]:
-        # the sweeps chose the shape; PDL's trigger came from its own probe (every shape
-        # they timed triggered at entry)
-        chosen = label(replace(pick_launch_shape(p["T"], p["H"], p["nb"]), trigger="entry"))
+        # the sweeps before --triggers chose the shape; PDL's trigger came from its own
+        # probe (every shape they timed triggered at entry)
+        shape = pick_launch_shape(p["T"], p["H"], p["nb"], gpu=result.get("gpu"))
+        chosen = label(shape if keep_trigger else replace(shape, trigger="entry"))
         v = p["variants"].get(chosen, {})
         prev = p["variants"].get(previous_default(p["T"], p["H"], p["nb"]), {})
         rows.append({"H": p["H"], "nb": p["nb"], "T": p["T"], "chosen": chosen,
@@ -834,6 +854,7 @@ def _peer_problems(point: dict) -> str:
 
 
 def main(argv=None) -> int:
+    global SPLIT_CANDIDATE_MAX_TOKENS, EARLY_CANDIDATE_MAX_TOKENS
     p = argparse.ArgumentParser(prog="python -m k3fusion.bench.attn_res_sweep")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     p.add_argument("--quick", action="store_true", help=f"a subset: {QUICK}")
@@ -864,6 +885,14 @@ def main(argv=None) -> int:
     p.add_argument("--late-trigger", action="store_true",
                    help="k3fusion's PDL launches let the next launch start after their last "
                         "store, not at their start: a probe of where the trigger belongs")
+    p.add_argument("--triggers", nargs="+", choices=sorted(set(TRIGGERS.values()) - {"off"}),
+                   help="also time every candidate with each of these PDL triggers (entry: "
+                        "at its start, mix: once the mix is computed, exit: after its last "
+                        "store)")
+    p.add_argument("--small-grid-tokens", type=int, metavar="T",
+                   help="the split kernel's multi-program shapes and the row kernel's early "
+                        f"tile as candidates up to T tokens (default "
+                        f"{SPLIT_CANDIDATE_MAX_TOKENS})")
     p.add_argument("--rotated-outputs", action="store_true",
                    help="k3fusion's timed launches write one preallocated output per input "
                         "set (the method before 2026-12-04's evening) instead of allocating "
@@ -874,13 +903,18 @@ def main(argv=None) -> int:
     add_scratch_argument(p)
     args = p.parse_args(argv)
     peers = peer_kernels.from_args(p, args, "attn_res")
-    global FOCUS, PDL, ROTATED_OUTPUTS
+    global FOCUS, GPU, PDL, ROTATED_OUTPUTS, TRIGGER_VARIANTS
     ROTATED_OUTPUTS = args.rotated_outputs
     if args.no_pdl and args.late_trigger:
         p.error("--late-trigger moves PDL's trigger: it needs PDL (drop --no-pdl)")
     PDL = False if args.no_pdl else None
     attn_res_kernels.LATE_TRIGGER = args.late_trigger
     FOCUS = tuple(args.focus) if args.focus else None
+    TRIGGER_VARIANTS = tuple(args.triggers) if args.triggers else None
+    if args.small_grid_tokens is not None:
+        SPLIT_CANDIDATE_MAX_TOKENS = EARLY_CANDIDATE_MAX_TOKENS = args.small_grid_tokens
+    if args.no_pdl and args.triggers:
+        p.error("--triggers places PDL's trigger: it needs PDL (drop --no-pdl)")
     if args.tables_from:
         result = json.loads(args.tables_from.read_text())
         print(selection_table(result) + "\n\n" + point_table(result))
@@ -902,6 +936,7 @@ def main(argv=None) -> int:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("this benchmark needs a CUDA GPU (or --dry-run)")
+        GPU = attn_res_kernels.device_table_name(torch.device("cuda"))
         sizes = (QUICK if args.quick else CHOSEN if args.chosen_only
                  else dict(hiddens=HIDDENS, num_blocks=NUM_BLOCKS, tokens=TOKENS))
     sizes = {k: tuple(getattr(args, k) or v) for k, v in sizes.items()}
