@@ -147,8 +147,10 @@ def _attn_res_bwd_kernel(
         # Pass 2 (the token's rows mostly from L2 now): each source's gradient. The weight
         # gradients sum over every token and source, so they take the shared term as the
         # reference does, sum_s w_s dw_s of these same dw_s (``shared`` alone left them
-        # up to 20 ulps off where the terms cancel): u gets w_s r_s dw_s v_s per block now,
-        # and the shared term times sum_s w_s r_s v_s once the sum is known.
+        # up to 20 ulps off where the terms cancel): u gets w_s r_s (dw_s - shared) v_s per
+        # block now -- small where the terms cancel -- and, once the sum is known, minus
+        # (sum - shared) sum_s w_s r_s v_s, a rounding-sized correction. (u as
+        # sum w r dw v - sum * sum w r v cancelled two large rows: 19 ulps at a draw.)
         d_row = d_blocks_ptr + tok * d_blocks_token_stride
         weighted = tl.zeros([BLOCK_H], tl.float32)
         shared_sum = tl.zeros([], tl.float32)
@@ -156,7 +158,7 @@ def _attn_res_bwd_kernel(
             v = _bank_row(blocks_row, s, blocks_block_stride, cols, cmask)
             dw_s, w_s, wr_s, dv = _source_gradient(v, s, dm, shared, g, w, r, c, srcs, H)
             shared_sum += w_s * dw_s
-            u += (wr_s * dw_s) * v
+            u += (wr_s * (dw_s - shared)) * v
             weighted += wr_s * v
             tl.store(d_row + (tl.zeros([], tl.int64) + s) * d_blocks_block_stride + cols,
                      dv.to(d_blocks_ptr.dtype.element_ty), mask=cmask)
@@ -168,7 +170,7 @@ def _attn_res_bwd_kernel(
         # w_s a rounding below 1 and dw_s - w_s dw_s not 0.)
         if NUM_BLOCKS > 0:
             shared_sum += w_s * dw_s
-            u += (wr_s * (dw_s - shared_sum)) * v - shared_sum * weighted
+            u += (wr_s * (dw_s - shared)) * v - (shared_sum - shared) * (weighted + wr_s * v)
         if HAS_GRAD_PREFIX:  # the new prefix's own gradient
             dv += tl.load(grad_prefix_ptr + tok * grad_prefix_stride + cols, mask=cmask,
                           other=0.0).to(tl.float32)

@@ -136,13 +136,18 @@ def test_backward_op_matches_reference_autograd(tokens, width, blocks, dtype,
         assert not got[1][:, num_blocks:].any()  # slots the op never read
 
 
-@pytest.mark.parametrize("tokens,nb_max,num_blocks,seed", [(1, 1, 1, 27288), (2, 2, 1, 136)])
-def test_weight_gradients_share_the_references_softmax_term(tokens, nb_max, num_blocks, seed):
+@pytest.mark.parametrize("tokens,nb_max,num_blocks,seed,delta_and_norm",
+                         [(1, 1, 1, 27288, True), (2, 2, 1, 136, True), (1, 4, 2, 33, False)])
+def test_weight_gradients_share_the_references_softmax_term(tokens, nb_max, num_blocks, seed,
+                                                            delta_and_norm):
     """Draws where the softmax backward's terms cancel: with ``sum(dm * mix)`` as the
     shared term everywhere, the kernel's weight gradients were 6-24 fp32 ulps of the largest
     off the exact ones where the reference's were 1-3 (its shared term sums the same
     ``dw_s`` it subtracts from); they now take the reference's form and stay within twice
-    its error plus 4 ulps. (The draws of tests/test_op_gradients.py's property.)"""
+    its error plus 4 ulps. The third draw (no delta, no output norm) found the first form
+    of that fix cancelling two large rows (``sum w r dw v - sum * sum w r v``): ``d
+    proj_w`` 19 ulps of the largest off, against the reference's 1. (The draws of
+    tests/test_op_gradients.py's property.)"""
     import test_op_gradients as grads
 
     g = torch.Generator().manual_seed(seed)
@@ -151,21 +156,24 @@ def test_weight_gradients_share_the_references_softmax_term(tokens, nb_max, num_
     blocks = torch.randn(tokens, nb_max, width, generator=g)
     norm_w = 1 + 0.3 * torch.randn(width, generator=g)
     proj_w = torch.randn(width, generator=g) / width**0.5
-    delta = torch.randn(tokens, width, generator=g)
-    out_w = 1 + 0.3 * torch.randn(width, generator=g)
+    delta = torch.randn(tokens, width, generator=g) if delta_and_norm else None
+    out_w = 1 + 0.3 * torch.randn(width, generator=g) if delta_and_norm else None
     tensors = [prefix, blocks, norm_w, proj_w, delta, out_w]
-    weights = [torch.randn(tokens, width, generator=g, dtype=torch.float64) for _ in range(2)]
+    weights = [torch.randn(tokens, width, generator=g, dtype=torch.float64)
+               for _ in range(2 if delta_and_norm else 1)]
 
     def exact_fn(p, b, nw, pw, d, ow):
         return list(attn_res_fp64(p, b, num_blocks, nw, pw, d, ow))
 
+    def leaves(dtype=None):
+        return [None if x is None else grads._leaf(x, dtype) for x in tensors]
+
     want = grads._grads(lambda p, b, nw, pw, d, ow: grads._attn_res_reference(
-        p, b, num_blocks, nw, pw, d, ow), [grads._leaf(x) for x in tensors], weights)
+        p, b, num_blocks, nw, pw, d, ow), leaves(), weights)
     with cpu_path("kernel"):
         got = grads._grads(lambda p, b, nw, pw, d, ow: k3fusion.ops.attn_res(
-            p, b, num_blocks, nw, pw, 1e-6, d, ow, 1e-5), [grads._leaf(x) for x in tensors],
-            weights)
-    exact = grads._grads(exact_fn, [grads._leaf(x, torch.float64) for x in tensors], weights)
+            p, b, num_blocks, nw, pw, 1e-6, d, ow, 1e-5), leaves(), weights)
+    exact = grads._grads(exact_fn, leaves(torch.float64), weights)
     grads._check_fused_backward(got, want, exact, torch.float32)
 
 
