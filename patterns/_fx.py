@@ -18,7 +18,7 @@ __all__ = [
     "is_graph_input", "depends_on", "external_users", "hoist_before", "fake_call",
     "erase_unused", "VIEW_OPS", "RESHAPES", "plan_size_reads", "apply_size_reads",
     "row_padded", "through_row_padding", "unpad_product", "UnpaddedProduct",
-    "product_under_slices", "decomposed_product", "product_of_result", "product_reading", "slice_args", "keepdim_of",
+    "unpadded_result", "decomposed_product", "product_of_result", "product_reading", "slice_args", "keepdim_of",
     "LAYOUT_OPS", "view_layout", "same_size", "inductor_lowers", "insert_call", "all_or_nothing",
     "snapshot", "restore", "CHANGE_HOOK", "before_change",
     "SavedValues", "saved_for_backward", "saving", "users", "is_backward_graph",
@@ -229,11 +229,7 @@ def product_of_result(node: object) -> UnpaddedProduct | None:
     """The GEMM whose result ``node`` is: a ``mm``/``bmm`` (through ``pad_mm``'s padding,
     :func:`unpad_product`: ``node`` its last slice back) or its decomposition
     (:func:`decomposed_product`); None when ``node`` is no GEMM's result."""
-    base = product_under_slices(node)
-    if is_op(base, aten.mm.default, aten.bmm.default):
-        product = unpad_product(base)
-        return product if product.result is node else None
-    return decomposed_product(node)
+    return unpadded_result(node) or decomposed_product(node)
 
 
 def product_reading(node: Node) -> UnpaddedProduct | None:
@@ -259,21 +255,25 @@ def product_reading(node: Node) -> UnpaddedProduct | None:
     return None
 
 
-def product_under_slices(node: object) -> object:
-    """The ``mm``/``bmm`` whose :func:`unpad_product` result ``node`` is (``node`` itself
-    when it is no such slice)."""
+def unpadded_result(node: object) -> UnpaddedProduct | None:
+    """The :func:`unpad_product` of the ``mm``/``bmm`` whose result ``node`` is: the GEMM
+    itself (``NoMatch`` where it is padded other than ``pad_mm`` pads), or its last slice
+    back; None for any other node."""
     product = node
     for _ in range(2):
         if not is_op(product, aten.slice.Tensor):
             break
         product = product.args[0]
-    if product is not node and is_op(product, aten.mm.default, aten.bmm.default):
+    if not is_op(product, aten.mm.default, aten.bmm.default):
+        return None
+    if product is node:
+        up = unpad_product(product)
+    else:
         try:
-            if unpad_product(product).result is node:
-                return product
-        except NoMatch:
-            pass
-    return node
+            up = unpad_product(product)
+        except NoMatch:  # a slice of some other padded GEMM's result: not its result
+            return None
+    return up if up.result is node else None
 
 
 def matmul_operands(node: object) -> tuple[Node, Node] | None:
@@ -286,14 +286,12 @@ def matmul_operands(node: object) -> tuple[Node, Node] | None:
     and ``pad_mm``'s padding (:func:`unpad_product`).
     """
     node = strip_casts(node)
-    mm = product_under_slices(node)
-    if is_op(mm, aten.mm.default):
-        try:
-            up = unpad_product(mm)
-        except NoMatch:
-            up = None
-        if up is not None and up.result is node:
-            return up.a, up.b
+    try:
+        up = unpadded_result(node)
+    except NoMatch:
+        up = None
+    if up is not None and not up.batched:
+        return up.a, up.b
     if is_op(node, aten.mm.default):
         return node.args[0], node.args[1]
     if is_op(node, aten.addmm.default):

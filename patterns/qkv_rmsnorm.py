@@ -62,10 +62,15 @@ def _is_copy(node: object) -> bool:
     return is_op(node, aten.clone.default) and len(node.args) == 1
 
 
+def _is_row_reshape(node: object) -> bool:
+    """A reshape or squeeze of the leading dims (the last dim kept)."""
+    return bool(is_op(node, *_RESHAPES_AND_SQUEEZES) and val(node.args[0]).dim()
+                and _int(val(node.args[0]).shape[-1]) == _int(val(node).shape[-1]))
+
+
 def _through_row_reshapes(node: object) -> object:
-    """``node`` before reshapes of its leading dims (the last dim kept)."""
-    while (is_op(node, *_RESHAPES_AND_SQUEEZES) and val(node.args[0]).dim()
-           and _int(val(node.args[0]).shape[-1]) == _int(val(node).shape[-1])):
+    """``node`` before reshapes of its leading dims."""
+    while _is_row_reshape(node):
         node = node.args[0]
     return node
 
@@ -160,9 +165,8 @@ def columns(x: Node) -> Columns:
             if None in before:
                 break
             start, node = start + sum(before), base
-        elif (is_op(node, *_RESHAPES_AND_SQUEEZES) and val(node.args[0]).dim()
-              and _int(val(node.args[0]).shape[-1]) == _int(val(node).shape[-1])):
-            node = node.args[0]  # a reshape of the leading dims
+        elif _is_row_reshape(node):
+            node = node.args[0]
         else:
             break
     if size is None or _projection(node) is None:

@@ -11,15 +11,21 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from k3fusion.patterns._fx import (NoMatch, decomposed_product, is_op, matmul_operands,
-                                   product_of_result, product_reading, product_under_slices,
-                                   unpad_product)
+                                   product_of_result, product_reading, unpad_product,
+                                   unpadded_result)
 
 aten = torch.ops.aten
 
 
+def _graph_of(fn, *tensors):
+    """The graph with Inductor's decompositions (casts as ``convert_element_type``)."""
+    from torch._inductor.decomposition import select_decomp_table
+    return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(
+        *tensors).graph
+
+
 def _graph(fn, *shapes):
-    args = [torch.randn(s) for s in shapes]
-    return make_fx(fn, tracing_mode="fake")(*args).graph
+    return _graph_of(fn, *(torch.randn(s) for s in shapes))
 
 
 def _node(graph, op):
@@ -49,7 +55,8 @@ def test_padded_mm_is_its_operands_product(m, k, n):
     up = unpad_product(_node(g, aten.mm.default))
     assert (up.a, up.b) == (a, b)
     assert up.result.meta["val"].shape == (10, 3)
-    assert product_under_slices(up.result) is up.product
+    assert unpadded_result(up.result) == up
+    assert unpadded_result(up.product) == (up if up.result is up.product else None)
     assert matmul_operands(up.result) == (a, b)
     assert sum(is_op(x, aten.constant_pad_nd.default) for x in up.nodes) == 2
     assert sum(is_op(x, aten.slice.Tensor) for x in up.nodes) == (m > 0) + (n > 0)
@@ -91,13 +98,6 @@ def _bmm_decomposed(a, b):  # Inductor's GPU bmm decomposition under coordinate 
 
 def _mm_decomposed(a, b):
     return (_upcast(a).unsqueeze(2) * _upcast(b).unsqueeze(0)).sum(dim=1).to(a.dtype)
-
-
-def _graph_of(fn, *tensors):
-    """The graph with Inductor's decompositions (casts as ``convert_element_type``)."""
-    from torch._inductor.decomposition import select_decomp_table
-    return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(
-        *tensors).graph
 
 
 def _output(graph):
