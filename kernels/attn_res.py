@@ -92,7 +92,7 @@ TILE_MAX_PER_THREAD = 192
 #: (H 7168's rows up to 32 tokens the 2026-12-04 run with captured launches' scratch words
 #: kept: docs/experiments.md#2026-12-04-the-split-kernel-without-its-memset-node; the other
 #: rows up to 255 tokens the 2026-12-03 run with the block count compiled in:
-#: docs/experiments.md#2026-12-03-the-block-count-as-a-constexpr; the prefill rows the
+#: docs/experiments.md#2026-12-03-the-block-count-as-a-constexpr-pdl-issue-30; the prefill rows the
 #: 2026-12-02 run: docs/experiments.md#2026-12-02-the-launch-selection-run-issue-20, with
 #: the rows of 256-724 / 256-362 tokens and H 2048's from 363 the 2026-12-03 prefill run:
 #: docs/experiments.md#2026-12-03-prefill-rows-against-the-public-kernel-issue-30; the
@@ -136,8 +136,8 @@ LAUNCH_TABLE: dict[int, tuple[tuple[int | None, str], ...]] = {
 
 #: Rows measured on another GPU, by its ``torch.cuda.get_device_name``: they replace (or,
 #: at a new token edge, add) the rows of :data:`LAUNCH_TABLE` with the same key and most
-#: tokens there; the rest of the table holds as measured on the H200.
-#: "NVIDIA H100 80GB HBM3": docs/benchmarks.md#against-both-public-kernels-on-an-h100-2026-12-06.
+#: tokens there; the rest is the table's. Where each GPU's rows came from:
+#: docs/benchmarks.md#against-both-public-kernels-2026-12-06-rows-per-gpu.
 LAUNCH_TABLE_BY_GPU: dict[str, dict[int, dict[int | None, str]]] = {
     "NVIDIA H100 80GB HBM3": {
         4 * 1024: {
@@ -656,8 +656,8 @@ def pick_launch_shape(T: int, H: int, num_blocks: int, *, prefill_tokens: int | 
     """Launch shape for ``T`` tokens of width ``H`` with ``num_blocks`` completed blocks.
 
     Without overrides: the measured table (:func:`table_shape`; ``gpu``: the device's
-    name, :func:`device_table_name`) where it applies. Otherwise (or with ``use_table=False``, or any of the override arguments
-    below given) the rule:
+    name, :func:`device_table_name`) where it applies. Otherwise (or with
+    ``use_table=False``, or any of the override arguments below given) the rule:
 
     * split kernel for ``T <= split_max_tokens`` (default :data:`SPLIT_MAX_TOKENS`) and
       at most :data:`SPLIT_MAX_SOURCES` sources: :data:`SPLIT_CHUNK` columns per program

@@ -48,6 +48,8 @@ TIMING_FIGURE = re.compile(
 ALLOWED = {
     ("k3fusion/cli.py", "see docs/benchmarks.md for results measured on an H200"):
         "user-facing CLI output (issue 19 keeps CLI output unchanged); it points at the docs",
+    ("kernels/attn_res.py", '    "NVIDIA H100 80GB HBM3": {'):
+        "a device name the AttnRes launch table's rows are keyed by (data, not a figure)",
 }
 
 
@@ -374,3 +376,41 @@ def test_no_second_list_of_fusions_in_library_code():
             found[rel] = hits
     assert not found, (f"lists of fusion names outside {FUSION_LIST_HOME} (iterate "
                        f"patterns.registry.FUSIONS instead): {found}")
+
+
+# ------------------------------------------------------------------ links into the docs
+
+#: ``docs/NAME.md#anchor`` (or ``NAME.md#anchor`` inside docs/) in code, tests and docs.
+DOC_LINK = re.compile(r"\b((?:docs/)?[\w-]+\.md)#([\w-]+)")
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of the headings: lower case, punctuation dropped, spaces to '-'."""
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+\s+(.*)$", markdown, re.MULTILINE)}
+
+
+def broken_doc_links(files) -> list[tuple[str, str]]:
+    docs = ROOT / "docs"
+    anchors = {p.name: heading_anchors(p.read_text()) for p in docs.glob("*.md")}
+    broken = []
+    for path in files:
+        for m in DOC_LINK.finditer(path.read_text()):
+            name = Path(m.group(1)).name
+            if name in anchors and m.group(2) not in anchors[name]:
+                broken.append((_rel(path), m.group(0)))
+    return broken
+
+
+def test_heading_anchors_are_githubs():
+    headings = "## `kernels/attn_res.py`\n### 2026-12-03: the block count; PDL (issue 30)\n"
+    assert heading_anchors(headings) == {"kernelsattn_respy",
+                                         "2026-12-03-the-block-count-pdl-issue-30"}
+
+
+def test_links_into_the_docs_name_headings_that_exist():
+    """A renamed heading breaks every ``docs/x.md#anchor`` that pointed at it (a library
+    constant's one line to its benchmark included)."""
+    files = (library_files() + bench_files() + sorted((ROOT / "tests").glob("*.py"))
+             + sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"])
+    assert not broken_doc_links(files)
