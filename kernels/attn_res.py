@@ -158,6 +158,12 @@ def launch_table(gpu: str | None = None) -> dict[int, tuple[tuple[int | None, st
     override = LAUNCH_TABLE_BY_GPU.get(gpu or "")
     if not override:
         return LAUNCH_TABLE
+    return _merged_table(gpu)
+
+
+@functools.lru_cache(maxsize=None)  # every eager launch asks: merge once per GPU
+def _merged_table(gpu: str) -> dict[int, tuple[tuple[int | None, str], ...]]:
+    override = LAUNCH_TABLE_BY_GPU[gpu]
     out = {}
     for key, rows in LAUNCH_TABLE.items():
         merged = dict(rows) | override.get(key, {})
@@ -590,6 +596,7 @@ _LABEL = re.compile(r"(?:r(\d+)x(\d+)(e?)(?:p(\d+))?|solo(\d+)|s(\d+)x(\d+))([ML
 TRIGGERS = {"": "entry", "M": "mix", "L": "exit", "N": "off"}
 
 
+@functools.lru_cache(maxsize=1024)  # every eager launch parses its table entry
 def parse_shape(name: str, H: int) -> LaunchShape:
     """The :class:`LaunchShape` a :data:`LAUNCH_TABLE` name means at width ``H``."""
     m = _LABEL.fullmatch(name)
