@@ -886,14 +886,17 @@ def test_rows_the_tiles_cover_exactly_take_no_column_predicate(kernel: str) -> N
             even, memory)
 
 
-@pytest.mark.parametrize("kernel", ["_attn_res_kernel", "_attn_res_split_kernel"])
-def test_pdl_form_waits_before_its_first_load(kernel: str) -> None:
+@pytest.mark.parametrize("kernel,chunks", [("_attn_res_kernel", 1), ("_attn_res_split_kernel", 1),
+                                           ("_attn_res_split_kernel", 2)])
+def test_pdl_form_waits_before_its_first_load(kernel: str, chunks: int) -> None:
     """``PDL``: the launch may start while the previous one runs, so it waits for it
     (griddepcontrol.wait) before any global load -- weights included -- then lets the
-    next launch start; without PDL neither instruction is there."""
+    next launch start (at once, at the mix or at the end); without PDL neither instruction
+    is there. The split kernel with its exchange too (2 programs per token)."""
     const = (dict(BLOCK_H=1024, NUM_BLOCKS=3, SOURCES_PER_TILE=4, LOOP_STAGES=1,
                   EARLY_TILE=True) if kernel == "_attn_res_kernel" else
-             dict(CHUNK=1024, NUM_BLOCKS=3, N_CHUNKS=1, N_CHUNKS_PAD=1, S_PAD=4, PHASE=0))
+             dict(CHUNK=1024 // chunks, NUM_BLOCKS=3, N_CHUNKS=chunks, N_CHUNKS_PAD=chunks,
+                  S_PAD=4, PHASE=0))
     const.update(HAS_DELTA=True, WRITE_BLOCK=True, HAS_OUT_NORM=True, OUT_WEIGHT_IN_FP32=False)
     forms = ((True, False, False), (True, True, False), (True, True, True),
              (False, False, False))
