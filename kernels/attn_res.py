@@ -177,7 +177,7 @@ def device_table_name(device: torch.device) -> str | None:
     return cuda_device_name(device.index) if device.type == "cuda" else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # asked by every launch: once per device
 def cuda_device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
