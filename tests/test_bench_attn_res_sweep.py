@@ -46,8 +46,7 @@ def test_triggers_and_small_grids_widen_the_candidates(monkeypatch) -> None:
     assert set(both) == set(plain) | {n + "M" for n in plain}
     assert all(both[n + "M"] == {**plain[n], "trigger": "mix"} for n in plain)
     monkeypatch.setattr(sweep, "TRIGGER_VARIANTS", None)
-    monkeypatch.setattr(sweep, "SPLIT_CANDIDATE_MAX_TOKENS", 128)
-    monkeypatch.setattr(sweep, "EARLY_CANDIDATE_MAX_TOKENS", 128)
+    monkeypatch.setattr(sweep, "SMALL_GRID_MAX_TOKENS", 128)
     small = sweep.candidates(128, 2048, 3)
     assert {"s512x4", "s1024x4", "r4x8e", "r2x4e"} <= set(small) and set(plain) <= set(small)
 
@@ -56,7 +55,7 @@ def test_triggers_and_small_grids_widen_the_candidates(monkeypatch) -> None:
 def test_dry_run_with_triggers(tmp_path, monkeypatch) -> None:
     """A run with ``--triggers`` checks each trigger's launches against the reference (the
     trigger moves no store); ``--no-pdl`` with it is refused."""
-    for name in ("TRIGGER_VARIANTS", "SPLIT_CANDIDATE_MAX_TOKENS", "EARLY_CANDIDATE_MAX_TOKENS"):
+    for name in ("TRIGGER_VARIANTS", "SMALL_GRID_MAX_TOKENS"):
         monkeypatch.setattr(sweep, name, getattr(sweep, name))  # main sets them: restored
     argv = ["--dry-run", "--chosen-only", "--num-blocks", "3", "--tokens", "1",
             "--skip-inductor", "--jobs", "0", "--triggers", "entry", "mix", "exit"]

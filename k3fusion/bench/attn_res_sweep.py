@@ -67,9 +67,9 @@ ROW_PIPELINED = ((1, 2, 3), (1, 4, 2), (1, 4, 3), (1, 8, 3), (2, 8, 3))
 #: prefill form): (sources per tile, warps).
 ROW_PREFILL = ((4, 16), (2, 8), (1, 4), (1, 8))
 #: Most tokens at which the split kernel's multi-program shapes, and the row kernel's early
-#: first tile, are candidates (the forms for grids of fewer programs than SMs).
-SPLIT_CANDIDATE_MAX_TOKENS = 32
-EARLY_CANDIDATE_MAX_TOKENS = 32
+#: first tile, are candidates (the forms for grids of fewer programs than SMs;
+#: ``--small-grid-tokens``).
+SMALL_GRID_MAX_TOKENS = 32
 #: The split kernel's (columns per program, warps).
 SPLIT_SHAPES = ((512, 4), (1024, 4), (2048, 8), (4096, 16))
 SOLO_WARPS = (4, 8, 16)
@@ -157,7 +157,7 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
 
     add({}, bounded=False)
     add({"use_table": False}, bounded=False)
-    if T <= SPLIT_CANDIDATE_MAX_TOKENS:
+    if T <= SMALL_GRID_MAX_TOKENS:
         for chunk, w in SPLIT_SHAPES:
             if chunk < block_h:
                 add({"kind": "split", "chunk": chunk, "num_warps": w})
@@ -167,7 +167,7 @@ def candidates(T: int, H: int, nb: int, chosen_only: bool = False) -> dict[str, 
     if T <= 128:
         for spt in tiles:
             for w in ROW_WARPS:
-                for early in ((True, False) if T <= EARLY_CANDIDATE_MAX_TOKENS else (False,)):
+                for early in ((True, False) if T <= SMALL_GRID_MAX_TOKENS else (False,)):
                     add({"kind": "row", "sources_per_tile": spt, "num_warps": w,
                          "loop_stages": 1, "early_tile": early})
     else:
@@ -854,7 +854,7 @@ def _peer_problems(point: dict) -> str:
 
 
 def main(argv=None) -> int:
-    global SPLIT_CANDIDATE_MAX_TOKENS, EARLY_CANDIDATE_MAX_TOKENS
+    global FOCUS, GPU, PDL, ROTATED_OUTPUTS, SMALL_GRID_MAX_TOKENS, TRIGGER_VARIANTS
     p = argparse.ArgumentParser(prog="python -m k3fusion.bench.attn_res_sweep")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     p.add_argument("--quick", action="store_true", help=f"a subset: {QUICK}")
@@ -892,7 +892,7 @@ def main(argv=None) -> int:
     p.add_argument("--small-grid-tokens", type=int, metavar="T",
                    help="the split kernel's multi-program shapes and the row kernel's early "
                         f"tile as candidates up to T tokens (default "
-                        f"{SPLIT_CANDIDATE_MAX_TOKENS})")
+                        f"{SMALL_GRID_MAX_TOKENS})")
     p.add_argument("--rotated-outputs", action="store_true",
                    help="k3fusion's timed launches write one preallocated output per input "
                         "set (the method before 2026-12-04's evening) instead of allocating "
@@ -903,18 +903,17 @@ def main(argv=None) -> int:
     add_scratch_argument(p)
     args = p.parse_args(argv)
     peers = peer_kernels.from_args(p, args, "attn_res")
-    global FOCUS, GPU, PDL, ROTATED_OUTPUTS, TRIGGER_VARIANTS
     ROTATED_OUTPUTS = args.rotated_outputs
     if args.no_pdl and args.late_trigger:
         p.error("--late-trigger moves PDL's trigger: it needs PDL (drop --no-pdl)")
+    if args.no_pdl and args.triggers:
+        p.error("--triggers places PDL's trigger: it needs PDL (drop --no-pdl)")
     PDL = False if args.no_pdl else None
     attn_res_kernels.LATE_TRIGGER = args.late_trigger
     FOCUS = tuple(args.focus) if args.focus else None
     TRIGGER_VARIANTS = tuple(args.triggers) if args.triggers else None
     if args.small_grid_tokens is not None:
-        SPLIT_CANDIDATE_MAX_TOKENS = EARLY_CANDIDATE_MAX_TOKENS = args.small_grid_tokens
-    if args.no_pdl and args.triggers:
-        p.error("--triggers places PDL's trigger: it needs PDL (drop --no-pdl)")
+        SMALL_GRID_MAX_TOKENS = args.small_grid_tokens
     if args.tables_from:
         result = json.loads(args.tables_from.read_text())
         print(selection_table(result) + "\n\n" + point_table(result))
