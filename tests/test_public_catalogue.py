@@ -315,11 +315,18 @@ def test_every_entry_compiled_for_real_on_cuda(entry, dtype, tokens):
     graph (its online softmax, its own decompositions), the Triton kernels for real. The
     counts of the CPU test, and no less accurate than eager against an fp64 copy (the CPU
     test's bounds)."""
+    _check_compiled_on_cuda(entry, dtype, tokens, entry.expected(dtype)[0])
+
+
+def _check_compiled_on_cuda(entry: Entry, dtype: torch.dtype, tokens: int, want: dict,
+                            **compile_kw) -> None:
+    """``entry`` compiled with ``backend="k3fusion"`` (and ``compile_kw``) on the GPU:
+    fused ``want``, no less accurate than eager over ``CUDA_ACCURACY_SEEDS``."""
     with torch.device("cuda"):
         model = entry.build().eval()
     ref_model = copy.deepcopy(model).double()
     model = model.to(dtype)
-    compiled = torch.compile(model, backend="k3fusion", fullgraph=True)
+    compiled = torch.compile(model, backend="k3fusion", fullgraph=True, **compile_kw)
     ref, eager, out = [], [], []
     with torch.no_grad():
         for seed in CUDA_ACCURACY_SEEDS:  # one compile, the errors pooled (as on the CPU)
@@ -328,7 +335,7 @@ def test_every_entry_compiled_for_real_on_cuda(entry, dtype, tokens):
             eager.append(model(*args))
             out.append(compiled(*args))
     del ref_model
-    assert_counts(entry, _fused_counts(entry), entry.expected(dtype)[0], model, args)
+    assert_counts(entry, _fused_counts(entry), want, model, args)
     assert_as_accurate_as_eager(out, eager, ref, dtype)
 
 
@@ -354,23 +361,7 @@ def test_every_entry_compiled_for_real_on_cuda_in_max_autotune(entry):
     and ``pad_mm`` as its benchmark decides; what ``gpu_gemm_forms(max_autotune=True)``
     emulates on the CPU. Every site fuses (on older torch, as ``MAX_AUTOTUNE_TORCH_2_11``),
     no less accurate than eager."""
-    dtype = torch.bfloat16
-    with torch.device("cuda"):
-        model = entry.build().eval()
-    ref_model = copy.deepcopy(model).double()
-    model = model.to(dtype)
-    compiled = torch.compile(model, backend="k3fusion", fullgraph=True,
-                             mode="max-autotune-no-cudagraphs")
-    ref, eager, out = [], [], []
-    with torch.no_grad():
-        for seed in CUDA_ACCURACY_SEEDS:
-            args = entry.inputs(1, dtype, device="cuda", seed=seed)
-            ref.append(ref_model(*(a.double() for a in args)))
-            eager.append(model(*args))
-            out.append(compiled(*args))
-    del ref_model
-    want = dict(entry.expected(dtype)[0])
+    want = dict(entry.expected(torch.bfloat16)[0])
     if _TORCH < (2, 13):
         want.update(MAX_AUTOTUNE_TORCH_2_11.get(entry.name, {}))
-    assert_counts(entry, _fused_counts(entry), want, model, args)
-    assert_as_accurate_as_eager(out, eager, ref, dtype)
+    _check_compiled_on_cuda(entry, torch.bfloat16, 1, want, mode="max-autotune-no-cudagraphs")
